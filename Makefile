@@ -1,0 +1,42 @@
+# Two commands for a fresh machine: `make demo` and `make test`. Each creates .venv when missing and
+# installs what it needs into it (torch pinned to 2.13.0, the CPU build on this machine).
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip install --disable-pip-version-check -q
+
+.PHONY: demo test lint typecheck pytest bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip
+
+$(VENV)/.demo-installed: pyproject.toml | $(BIN)/python
+	$(PIP) "torch==2.13.0"
+	$(PIP) -e ".[all]"
+	touch $@
+
+$(VENV)/.test-installed: pyproject.toml $(VENV)/.demo-installed
+	$(PIP) -e ".[all,dev]"
+	touch $@
+
+demo: $(VENV)/.demo-installed
+	$(BIN)/gaussdp demo
+
+lint: $(VENV)/.test-installed
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
+
+typecheck: $(VENV)/.test-installed
+	$(BIN)/mypy
+
+pytest: $(VENV)/.test-installed
+	$(BIN)/python -m pytest -q
+
+test: lint typecheck pytest
+
+bench: $(VENV)/.test-installed
+	for f in benchmarks/bench_*.py; do $(BIN)/python $$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo_out

@@ -1,0 +1,50 @@
+"""Boundary validation shared by every public function: one place, one message format."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+from gaussdp.errors import InvalidParameter
+
+__all__ = ["check_delta", "check_epsilon", "check_positive", "check_probability", "real_number"]
+
+
+def real_number(name: str, value: Any) -> float:
+    """Return ``value`` as a float, refusing bools, complex numbers and non-numbers with TypeError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {name}={value!r} ({type(value).__name__})")
+    out = float(value)
+    if math.isnan(out) or math.isinf(out):
+        raise InvalidParameter(f"{name} must be finite, got {name}={value!r}")
+    return out
+
+
+def check_positive(name: str, value: Any) -> float:
+    """A finite real number > 0."""
+    out = real_number(name, value)
+    if out <= 0.0:
+        raise InvalidParameter(f"{name} must be > 0, got {name}={value!r}")
+    return out
+
+
+def check_epsilon(value: Any, name: str = "epsilon") -> float:
+    """A finite epsilon > 0."""
+    return check_positive(name, value)
+
+
+def check_delta(value: Any, name: str = "delta") -> float:
+    """A delta strictly inside (0, 1)."""
+    out = real_number(name, value)
+    if not 0.0 < out < 1.0:
+        raise InvalidParameter(f"{name} must be in (0, 1), got {name}={value!r}")
+    return out
+
+
+def check_probability(name: str, value: Any) -> float:
+    """A sampling probability in (0, 1]."""
+    out = real_number(name, value)
+    if not 0.0 < out <= 1.0:
+        raise InvalidParameter(f"{name} must be in (0, 1], got {name}={value!r}")
+    return out
