@@ -31,6 +31,7 @@ typecheck: $(VENV)/.test-installed
 	$(BIN)/mypy
 
 pytest: $(VENV)/.test-installed
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium chromium-driver) || true
 	$(BIN)/python -m pytest -q
 
 test: lint typecheck pytest

@@ -8,6 +8,13 @@ their own subpackages (``gaussdp.torch``, ``gaussdp.text``, ``gaussdp.federated`
 
 from __future__ import annotations
 
+from gaussdp.accounting import (
+    GaussianEvent,
+    SubsampledGaussianEvent,
+    accountant,
+    noise_for_epsilon,
+)
+from gaussdp.budget import Budget, Ledger
 from gaussdp.calibration import (
     classical_sigma,
     delta_for,
@@ -17,6 +24,7 @@ from gaussdp.calibration import (
     mu_for,
     sigma_for,
 )
+from gaussdp.clipping import clip_l2, clip_rows, clip_tree
 from gaussdp.errors import (
     BudgetExhausted,
     InvalidParameter,
@@ -25,22 +33,36 @@ from gaussdp.errors import (
     PrivacyWarning,
     UnsafeInput,
 )
+from gaussdp.mechanism import GaussianMechanism
+from gaussdp.noise import NoiseSource, noise_source
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Budget",
     "BudgetExhausted",
+    "GaussianEvent",
+    "GaussianMechanism",
     "InvalidParameter",
+    "Ledger",
+    "NoiseSource",
     "NotPrivateWarning",
     "PrivacyError",
     "PrivacyWarning",
+    "SubsampledGaussianEvent",
     "UnsafeInput",
     "__version__",
+    "accountant",
     "classical_sigma",
+    "clip_l2",
+    "clip_rows",
+    "clip_tree",
     "delta_for",
     "delta_for_mu",
     "epsilon_for",
     "epsilon_for_mu",
     "mu_for",
+    "noise_for_epsilon",
+    "noise_source",
     "sigma_for",
 ]

@@ -11,8 +11,15 @@ import sys
 
 # One module per topic; each defines ``register(app: typer.Typer) -> None``.
 _COMMAND_MODULES = (
+    "gaussdp.cli.accounting",
+    "gaussdp.cli.audit",
     "gaussdp.cli.core",
     "gaussdp.cli.demo",
+    "gaussdp.cli.federated",
+    "gaussdp.cli.inference",
+    "gaussdp.cli.service",
+    "gaussdp.cli.text",
+    "gaussdp.cli.torch",
 )
 
 
@@ -38,8 +45,6 @@ def main() -> None:
         import rich  # noqa: F401
         import typer  # noqa: F401
     except ImportError:  # pragma: no cover - depends on the environment
-        sys.stderr.write(
-            "The gaussdp command line needs the 'cli' extra: pip install 'gaussdp[cli]'\n"
-        )
+        sys.stderr.write("The gaussdp command line needs the 'cli' extra: pip install 'gaussdp[cli]'\n")
         raise SystemExit(2) from None
     build_app()()

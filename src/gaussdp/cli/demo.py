@@ -13,6 +13,13 @@ import typer
 
 _SECTIONS = (
     ("The Gaussian mechanism", "gaussdp.cli.core:demo"),
+    ("Sanitizing embeddings", "gaussdp.cli.core:demo_sanitize"),
+    ("Accounting", "gaussdp.cli.accounting:demo"),
+    ("Text local DP", "gaussdp.cli.text:demo"),
+    ("Private inference", "gaussdp.cli.inference:demo"),
+    ("DP-SGD", "gaussdp.cli.torch:demo"),
+    ("Federated learning", "gaussdp.cli.federated:demo"),
+    ("The privacy ledger and service", "gaussdp.cli.service:demo"),
 )
 
 

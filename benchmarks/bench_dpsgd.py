@@ -1,0 +1,254 @@
+"""DP-SGD step time and peak memory: plain PyTorch vs gaussdp vs Opacus (hooks, ghost), one process.
+
+Cases: (a) MLP 784-512-512-10, batch 256; (b) 2-layer ``nn.TransformerEncoder`` (d=256, 8 heads,
+feed-forward 1024, seq 64, batch 32) on token ids with an embedding and a classification head;
+(c) the same with LoRA (r=8) adapters on the feed-forward layers as the only trainable parameters.
+
+Step = forward + backward + optimizer step (+ zero_grad), on the same fixed batch for every method.
+Time: median over interleaved repetitions (the methods take turns, so a busy machine slows them all
+alike), both wall-clock and process CPU time; with one torch thread (the default here) CPU time is
+what the step costs, unaffected by other processes taking the cores. Memory: peak bytes of live
+tensor storages (parameters, gradients, optimizer state, activations, temporaries) during one step,
+counted by a ``TorchDispatchMode`` that sees every op's outputs (``PeakMemory`` below; torch's own
+``MemTracker`` cannot be used: it registers gradient hooks on parameters).
+The Opacus rows use ``poisson_sampling=False`` like the others (same fixed batch), and contiguous
+position ids: ``.expand()``ed ones make Opacus's ghost mode fail (``view`` on a non-contiguous
+tensor in ``embedding_norm_sample``); gaussdp handles both (tested).
+Opacus cannot run ``nn.MultiheadAttention`` as is: its rows use ``ModuleValidator.fix`` (its own
+``DPMultiheadAttention``), the other rows the original module.
+
+Run: ``.venv/bin/python benchmarks/bench_dpsgd.py [--reps 15] [--only a,b,c]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+warnings.filterwarnings("ignore")
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update ``B A`` (r=8)."""
+
+    def __init__(self, base: nn.Linear, r: int = 8) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_a = nn.Linear(base.in_features, r, bias=False)
+        self.lora_b = nn.Linear(r, base.out_features, bias=False)
+        nn.init.zeros_(self.lora_b.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+class Encoder(nn.Module):
+    def __init__(self, vocab: int = 1000, d: int = 256, seq: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        layer = nn.TransformerEncoderLayer(d, 8, dim_feedforward=1024, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1]).repeat(idx.shape[0], 1)  # contiguous: Opacus ghost fails on expand()
+        return self.head(self.encoder(self.emb(idx) + self.pos(pos)).mean(1))
+
+
+def make_case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    if name == "a":
+        model: nn.Module = nn.Sequential(
+            nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+        )
+        return model, torch.randn(256, 784), torch.randint(0, 10, (256,))
+    model = Encoder()
+    if name == "c":
+        model.requires_grad_(False)
+        for layer in model.encoder.layers:
+            layer.linear1 = LoRALinear(layer.linear1)
+            layer.linear2 = LoRALinear(layer.linear2)
+    return model, torch.randint(0, 1000, (32, 64)), torch.randint(0, 10, (32,))
+
+
+def _ret(step: Callable[[], None], model: nn.Module, opt: Any, x: Any, y: Any, with_state: bool) -> Any:
+    if not with_state:
+        return step
+
+    def live() -> list[torch.Tensor]:
+        out = [x, y, *model.parameters(), *model.buffers()]
+        inner = getattr(opt, "original_optimizer", opt)
+        for st in inner.state.values():
+            out += [v for v in st.values() if isinstance(v, torch.Tensor)]
+        return out
+
+    return step, live
+
+
+def build(method: str, case: str, with_state: bool = False) -> Any:
+    """A closure running one training step of ``method`` on ``case``."""
+    model, x, y = make_case(case)
+    loss_fn = nn.CrossEntropyLoss()
+    params = [p for p in model.parameters() if p.requires_grad]
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=len(x))
+    if method == "plain":
+        opt = torch.optim.SGD(params, lr=0.01)
+
+        def step() -> None:
+            loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return _ret(step, model, opt, x, y, with_state)
+    if method == "gaussdp":
+        from gaussdp.torch import PrivacyEngine
+
+        opt = torch.optim.SGD(params, lr=0.01)
+        model, opt, _ = PrivacyEngine().make_private(
+            module=model,
+            optimizer=opt,
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+        )
+
+        def step() -> None:
+            loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+        return _ret(step, model, opt, x, y, with_state)
+    from opacus import PrivacyEngine as OpacusEngine
+    from opacus.validators import ModuleValidator
+
+    model = ModuleValidator.fix(copy.deepcopy(model))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.01)
+    mode = method.split("-")[1]
+    engine = OpacusEngine(accountant="prv")
+    if mode == "ghost":
+        model, opt, crit, _ = engine.make_private(
+            module=model,
+            optimizer=opt,
+            data_loader=loader,
+            criterion=loss_fn,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+            grad_sample_mode="ghost",
+        )
+    else:
+        model, opt, _ = engine.make_private(
+            module=model,
+            optimizer=opt,
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+            grad_sample_mode="hooks",
+        )
+        crit = loss_fn
+
+    def step() -> None:
+        crit(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _ret(step, model, opt, x, y, with_state)
+
+
+class PeakMemory(TorchDispatchMode):
+    """Peak bytes of live tensor storages: every op output is counted until its storage dies."""
+
+    def __init__(self, *existing: torch.Tensor) -> None:
+        super().__init__()
+        self.current = self.peak = 0
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        for t in existing:
+            self._track(t)
+
+    def _free(self, n: int) -> None:
+        self.current -= n
+
+    def _track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        if st in self._seen:
+            return
+        n = st.nbytes()
+        self._seen[st] = n
+        weakref.finalize(st, self._free, n)
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self._track(t)
+        return out
+
+
+def peak_bytes(method: str, case: str) -> int:
+    step, live = build(method, case, with_state=True)
+    step()  # warm up: parameters and optimizer state exist before tracking
+    step()
+    tracker = PeakMemory(*live())
+    with tracker:
+        step()
+    return tracker.peak
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--only", default="a,b,c")
+    ap.add_argument("--methods", default="plain,gaussdp,opacus-ghost,opacus-hooks")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU time is meaningful)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    methods = args.methods.split(",")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, reps {args.reps}")
+    for case in args.only.split(","):
+        steps = {m: build(m, case) for m in methods}
+        for s in steps.values():
+            s()
+            s()
+        times: dict[str, list[float]] = {m: [] for m in methods}
+        cpu: dict[str, list[float]] = {m: [] for m in methods}
+        for _ in range(args.reps):
+            for m, s in steps.items():
+                t0, c0 = time.perf_counter(), time.process_time()
+                s()
+                times[m].append(time.perf_counter() - t0)
+                cpu[m].append(time.process_time() - c0)
+        mem = {m: peak_bytes(m, case) for m in methods}
+        base_t, base_c = statistics.median(times["plain"]), statistics.median(cpu["plain"])
+        base_m = mem["plain"]
+        print(f"\ncase ({case})")
+        print(
+            f"{'method':<14}{'wall ms':>9}{'ratio':>8}{'CPU ms':>9}{'ratio':>8}{'peak MiB':>10}{'ratio':>8}"
+        )
+        for m in methods:
+            t, c = statistics.median(times[m]), statistics.median(cpu[m])
+            print(
+                f"{m:<14}{t * 1e3:>9.1f}{t / base_t:>7.2f}x{c * 1e3:>9.1f}{c / base_c:>7.2f}x"
+                f"{mem[m] / 2**20:>10.1f}{mem[m] / base_m:>7.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Privacy accounting: events (what was released) and accountants (what it cost).
+
+Neighbouring relation everywhere: add/remove of one record. Every accountant except ``"gdp"``
+(a central-limit approximation, labelled as such) returns upper bounds on the true epsilon(delta).
+"""
+
+from __future__ import annotations
+
+from gaussdp.accounting.advanced import AdvancedComposition
+from gaussdp.accounting.base import Accountant, UnsupportedEvent, accountant, available_accountants
+from gaussdp.accounting.basic import BasicComposition
+from gaussdp.accounting.documents import (
+    BudgetState,
+    PrivacyAccountant,
+    PrivacyBudget,
+    PrivacyBudgetTracker,
+    PrivacyExpenditure,
+    PrivacyParams,
+    advanced_composition_epsilon,
+    basic_composition_epsilon,
+    compute_delta_from_epsilon,
+    compute_epsilon_from_delta,
+    estimate_noise_scale,
+)
+from gaussdp.accounting.events import (
+    ComposedEvent,
+    EpsilonDeltaEvent,
+    Event,
+    GaussianEvent,
+    SelfComposedEvent,
+    SubsampledGaussianEvent,
+    event_from_dict,
+)
+from gaussdp.accounting.gdp import GDPAccountant
+from gaussdp.accounting.inverse import noise_for_epsilon
+from gaussdp.accounting.pld import PLDAccountant
+from gaussdp.accounting.rdp import RDPAccountant
+
+__all__ = [
+    "Accountant",
+    "AdvancedComposition",
+    "BasicComposition",
+    "BudgetState",
+    "ComposedEvent",
+    "EpsilonDeltaEvent",
+    "Event",
+    "GDPAccountant",
+    "GaussianEvent",
+    "PLDAccountant",
+    "PrivacyAccountant",
+    "PrivacyBudget",
+    "PrivacyBudgetTracker",
+    "PrivacyExpenditure",
+    "PrivacyParams",
+    "RDPAccountant",
+    "SelfComposedEvent",
+    "SubsampledGaussianEvent",
+    "UnsupportedEvent",
+    "accountant",
+    "advanced_composition_epsilon",
+    "available_accountants",
+    "basic_composition_epsilon",
+    "compute_delta_from_epsilon",
+    "compute_epsilon_from_delta",
+    "estimate_noise_scale",
+    "event_from_dict",
+    "noise_for_epsilon",
+]

@@ -1,0 +1,248 @@
+"""The accountant interface every backend implements, and the ``accountant(name)`` factory.
+
+An accountant turns the events composed into it into a privacy profile: ``epsilon(delta)`` and
+``delta(epsilon)``, always an upper bound on the true one (never below it), under add/remove of one
+record (the neighbouring relation of every gaussdp accountant; see :mod:`gaussdp.accounting.events`).
+
+Composition is commutative, so an accountant keeps the *multiset* of events (a dict from leaf event
+to its total count) plus a run-length history for reports: composing one more step costs O(1), and
+the profile is recomputed lazily, only when asked, from the distinct events and their counts.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar, Self
+
+from scipy import optimize
+
+from gaussdp._validate import check_delta, real_number
+from gaussdp.accounting.events import (
+    EpsilonDeltaEvent,
+    Event,
+    GaussianEvent,
+    SubsampledGaussianEvent,
+    check_count,
+    flatten_event,
+)
+from gaussdp.errors import InvalidParameter
+
+__all__ = [
+    "Accountant",
+    "UnsupportedEvent",
+    "accountant",
+    "available_accountants",
+]
+
+# Larger epsilons are refused with a clear error rather than reported as inf or garbage.
+EPSILON_MAX = 1e6
+
+
+class UnsupportedEvent(InvalidParameter):
+    """This accountant cannot bound this kind of event (e.g. RDP for an (epsilon, delta>0) event)."""
+
+
+class Accountant(abc.ABC):
+    """Composes events and answers ``epsilon(delta)`` / ``delta(epsilon)`` as upper bounds.
+
+    Subclasses implement ``_supports_leaf``, ``_epsilon`` and ``_delta``; this class validates every
+    argument and the whole event before any state changes, keeps the multiset of composed events,
+    and caches answers until the next ``compose``.
+    """
+
+    name: ClassVar[str] = ""
+    #: True only for accountants whose answer is not a proven upper bound (GDP via the CLT).
+    approximate: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._counts: dict[Event, int] = {}
+        self._history: list[tuple[Event, int]] = []
+        self._cache: dict[tuple[str, float], float] = {}
+
+    # ----- composition -------------------------------------------------------------------------
+    def compose(self, event: Event, count: int = 1) -> Self:
+        """Compose ``event`` ``count`` times; returns ``self`` so calls chain.
+
+        Raises:
+            TypeError / InvalidParameter: bad event or count; UnsupportedEvent: this accountant
+                cannot bound the event. Nothing is composed when it raises.
+        """
+        count = check_count(count)
+        leaves = list(flatten_event(event, count))
+        for leaf, _ in leaves:
+            if not self._supports_leaf(leaf):
+                raise UnsupportedEvent(f"the {self.name!r} accountant cannot bound {leaf!r}")
+        for leaf, c in leaves:
+            self._counts[leaf] = self._counts.get(leaf, 0) + c
+            if self._history and self._history[-1][0] == leaf:
+                self._history[-1] = (leaf, self._history[-1][1] + c)
+            else:
+                self._history.append((leaf, c))
+        self._cache.clear()
+        self._on_compose()
+        return self
+
+    def supports(self, event: Event) -> bool:
+        """Whether :meth:`compose` would accept ``event``."""
+        try:
+            return all(self._supports_leaf(leaf) for leaf, _ in flatten_event(event))
+        except (TypeError, InvalidParameter):
+            return False
+
+    @property
+    def counts(self) -> dict[Event, int]:
+        """Distinct leaf events composed so far and their total counts (a copy)."""
+        return dict(self._counts)
+
+    @property
+    def history(self) -> tuple[tuple[Event, int], ...]:
+        """Leaf events in composition order, consecutive repeats merged into ``(event, count)``."""
+        return tuple(self._history)
+
+    @property
+    def steps(self) -> int:
+        """Total number of leaf events composed."""
+        return sum(self._counts.values())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(steps={self.steps}, distinct_events={len(self._counts)})"
+
+    # ----- answers -----------------------------------------------------------------------------
+    def epsilon(self, delta: float) -> float:
+        """Smallest epsilon this accountant can certify at ``delta`` (0.0 when nothing composed)."""
+        delta = check_delta(delta)
+        if not self._counts:
+            return 0.0
+        key = ("eps", delta)
+        if key not in self._cache:
+            eps = float(self._epsilon(delta))
+            if math.isnan(eps) or eps < 0.0:
+                raise InvalidParameter(f"internal error: epsilon={eps} at delta={delta:g}")
+            if eps > EPSILON_MAX:
+                raise InvalidParameter(
+                    f"epsilon at delta={delta:g} exceeds {EPSILON_MAX:g} with the {self.name!r} "
+                    "accountant: these releases give no meaningful privacy"
+                )
+            self._cache[key] = eps
+        return self._cache[key]
+
+    def delta(self, epsilon: float) -> float:
+        """Smallest delta this accountant can certify at ``epsilon`` >= 0 (0.0 when nothing composed)."""
+        epsilon = real_number("epsilon", epsilon)
+        if epsilon < 0.0:
+            raise InvalidParameter(f"epsilon must be >= 0, got epsilon={epsilon!r}")
+        if not self._counts:
+            return 0.0
+        key = ("delta", epsilon)
+        if key not in self._cache:
+            d = float(self._delta(epsilon))
+            if math.isnan(d):
+                raise InvalidParameter(f"internal error: delta is NaN at epsilon={epsilon:g}")
+            self._cache[key] = min(1.0, max(0.0, d))
+        return self._cache[key]
+
+    # ----- for subclasses ----------------------------------------------------------------------
+    def _on_compose(self) -> None:  # noqa: B027 - an optional hook, empty by default
+        """Hook: invalidate backend caches after a compose."""
+
+    @abc.abstractmethod
+    def _supports_leaf(self, leaf: Event) -> bool: ...
+
+    @abc.abstractmethod
+    def _epsilon(self, delta: float) -> float: ...
+
+    @abc.abstractmethod
+    def _delta(self, epsilon: float) -> float: ...
+
+    def _gaussian_mu(self) -> float:
+        """mu of the exact GDP composition of the plain Gaussian events: sqrt(sum count / sigma^2)."""
+        s = 0.0
+        for e, c in self._counts.items():
+            if isinstance(e, GaussianEvent):
+                s += c / (e.noise_multiplier * e.noise_multiplier)
+        return math.sqrt(s)
+
+    def _only_gaussian(self) -> bool:
+        return all(isinstance(e, GaussianEvent) for e in self._counts)
+
+
+def invert_delta(
+    delta_of_eps: Callable[[float], float], delta: float, *, eps_max: float = EPSILON_MAX
+) -> float:
+    """Smallest epsilon >= 0 with ``delta_of_eps(epsilon) <= delta`` (a non-increasing function), rounded up.
+
+    Raises InvalidParameter when even ``eps_max`` does not reach ``delta``.
+    """
+    if delta_of_eps(0.0) <= delta:
+        return 0.0
+    hi = 1.0
+    while delta_of_eps(hi) > delta:
+        hi *= 2.0
+        if hi > eps_max:
+            raise InvalidParameter(f"epsilon at delta={delta:g} exceeds {eps_max:g}")
+    lo = hi / 2.0 if hi > 1.0 else 0.0
+    log_d = math.log(delta)
+
+    def f(e: float) -> float:
+        v = delta_of_eps(e)
+        return (math.log(v) if v > 0.0 else -800.0) - log_d
+
+    eps = float(optimize.brentq(f, lo, hi, xtol=1e-12, rtol=1e-13, maxiter=300))
+    # brentq may stop on either side of the root: step up until the profile holds.
+    step = max(1e-12, eps * 1e-12)
+    while delta_of_eps(eps) > delta:
+        eps += step
+        step *= 2.0
+    return eps
+
+
+def is_leaf_supported_by_mechanism(leaf: Event) -> bool:
+    """True for Gaussian and subsampled Gaussian leaves (the mechanisms with a known profile)."""
+    return isinstance(leaf, GaussianEvent | SubsampledGaussianEvent)
+
+
+def _registry() -> dict[str, type[Accountant]]:
+    # Imported here: the backends import this module.
+    from gaussdp.accounting.advanced import AdvancedComposition
+    from gaussdp.accounting.basic import BasicComposition
+    from gaussdp.accounting.gdp import GDPAccountant
+    from gaussdp.accounting.pld import PLDAccountant
+    from gaussdp.accounting.rdp import RDPAccountant
+
+    return {
+        "basic": BasicComposition,
+        "advanced": AdvancedComposition,
+        "rdp": RDPAccountant,
+        "pld": PLDAccountant,
+        "gdp": GDPAccountant,
+    }
+
+
+def available_accountants() -> tuple[str, ...]:
+    """Names accepted by :func:`accountant`: basic, advanced, rdp, pld (default, tightest), gdp."""
+    return tuple(_registry())
+
+
+def accountant(name: str = "pld", **options: Any) -> Accountant:
+    """A fresh accountant by name: ``"pld"`` (default, tightest), ``"rdp"``, ``"advanced"``,
+    ``"basic"``, or ``"gdp"`` (central-limit approximation, not an upper bound).
+
+    >>> from gaussdp.accounting import SubsampledGaussianEvent
+    >>> acc = accountant("rdp").compose(SubsampledGaussianEvent(1.1, 256 / 60000), count=14063)
+    >>> 2.4 < acc.epsilon(1e-5) < 2.7
+    True
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"accountant name must be a string, got name={name!r}")
+    reg = _registry()
+    key = name.lower()
+    if key not in reg:
+        raise InvalidParameter(f"unknown accountant name={name!r}; choose one of {sorted(reg)}")
+    return reg[key](**options)
+
+
+def fixed_leaves(counts: dict[Event, int]) -> list[tuple[EpsilonDeltaEvent, int]]:
+    """The (epsilon, delta) events among ``counts``."""
+    return [(e, c) for e, c in counts.items() if isinstance(e, EpsilonDeltaEvent)]

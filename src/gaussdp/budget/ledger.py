@@ -1,0 +1,333 @@
+"""The privacy ledger: who may still spend what, durably, with charges checked before release."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from gaussdp.budget._compose import Composer, event_dict, event_key
+from gaussdp.budget._types import Budget, ChargeRecord, Receipt, Spent
+from gaussdp.budget.store import (
+    Decide,
+    PrincipalConflict,
+    PrincipalRow,
+    Store,
+    StoredCharge,
+    UnknownPrincipal,
+    check_idempotency_key,
+    check_principal,
+    open_store,
+)
+from gaussdp.errors import BudgetExhausted, InvalidParameter, PrivacyError, PrivacyWarning, UnsafeInput
+
+__all__ = ["Ledger"]
+
+logger = logging.getLogger("gaussdp.budget")
+
+Policy = Literal["refuse", "warn"]
+
+_MAX_HINTS = 10_000
+
+
+class Ledger:
+    """Per-principal privacy budgets with atomic, durable charges (a privacy filter).
+
+    Each principal (a session, a user, a federated client) is opened once with a :class:`Budget` and
+    an accountant. :meth:`charge` composes the new event with everything already charged to the
+    principal, under that accountant, and records it only if the composed epsilon at the budget's
+    delta stays within the budget; otherwise it raises :class:`~gaussdp.errors.BudgetExhausted` and
+    records nothing. The check and the write happen in one transaction that holds the principal's lock
+    (SQLite ``BEGIN IMMEDIATE``, PostgreSQL ``SELECT ... FOR UPDATE``), so concurrent requests from
+    any number of threads or processes can never spend past a budget together.
+
+    Guarantee: while ``policy="refuse"``, the adaptive composition of all events charged to a
+    principal is ``(budget.epsilon, budget.delta)``-DP under add/remove of one record, as bounded by the
+    principal's accountant (a privacy filter in the sense of Rogers, Roth, Ullman & Vadhan 2016; with
+    the budget fixed in advance the filter is valid for the accountant's fully adaptive composition
+    bound, see Whitehouse, Ramdas, Rogers & Wu 2023 for RDP/PLD filters).
+
+    Args:
+        url: ``"memory://"`` (in-process), ``"sqlite:///path.db"`` (embedded, WAL) or
+            ``"postgresql://..."`` (needs ``psycopg`` and ``psycopg_pool``).
+        policy: ``"refuse"`` (default) raises on exhaustion. ``"warn"`` is document 000's behaviour: the
+            charge is recorded anyway, logged, and a :class:`~gaussdp.errors.PrivacyWarning` is issued;
+            the budget then guarantees nothing. Opt in only to reproduce that document.
+        store: an already opened store (instead of ``url``), e.g. shared by several ledgers.
+        cache_size: entries of the epsilon and allowance caches.
+
+    Raises:
+        InvalidParameter: unknown URL scheme or policy.
+
+    References:
+        Rogers, Roth, Ullman, Vadhan. Privacy Odometers and Filters: Pay-as-you-Go Composition.
+        NeurIPS 2016. Whitehouse, Ramdas, Rogers, Wu. Fully-Adaptive Composition in Differential
+        Privacy. ICML 2023.
+    """
+
+    def __init__(
+        self,
+        url: str = "memory://",
+        policy: Policy = "refuse",
+        *,
+        store: Store | None = None,
+        cache_size: int = 4096,
+    ) -> None:
+        if policy not in ("refuse", "warn"):
+            raise InvalidParameter(f"policy must be 'refuse' or 'warn', got policy={policy!r}")
+        self.url = url if store is None else f"<{type(store).__name__}>"
+        self.policy: Policy = policy
+        self.store: Store = store if store is not None else open_store(url)
+        self._composer = Composer(cache_size)
+        self._rows: dict[str, PrincipalRow] = {}
+        # Per principal, the history this process last saw (only a cache-warming hint, never trusted).
+        self._last_groups: dict[str, dict[str, int]] = {}
+        if policy == "warn":
+            logger.warning(
+                "ledger %s uses policy='warn': exhausted budgets are logged, not enforced", self.url
+            )
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the store's connections."""
+        self.store.close()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Ledger({self.url!r}, policy={self.policy!r})"
+
+    # -- principals --------------------------------------------------------------------------------
+    def open(self, principal: str, budget: Budget, *, accountant: str = "pld") -> Budget:
+        """Open ``principal`` with ``budget`` (idempotent); return its budget.
+
+        Opening an existing principal again with the same budget and accountant is a no-op (so every
+        process of a service may call it); with a different one it raises: a budget never grows.
+
+        Raises:
+            TypeError: ``budget`` is not a :class:`Budget`.
+            InvalidParameter: bad principal or accountant name.
+            PrincipalConflict: a different budget or accountant is already on record for ``principal``.
+        """
+        check_principal(principal)
+        if not isinstance(budget, Budget):
+            raise TypeError(f"budget must be a gaussdp.budget.Budget, got budget={budget!r}")
+        self._composer.check_accountant(accountant)
+        row = self.store.open_principal(principal, budget.epsilon, budget.delta, accountant)
+        if (row.epsilon, row.delta, row.accountant) != (budget.epsilon, budget.delta, accountant):
+            raise PrincipalConflict(
+                f"principal {principal!r} is already open with budget=Budget(epsilon={row.epsilon!r}, "
+                f"delta={row.delta!r}) and accountant={row.accountant!r}; a budget cannot be changed, "
+                "open a new principal"
+            )
+        self._rows[principal] = row
+        return budget
+
+    def _row(self, principal: str) -> PrincipalRow:
+        row = self._rows.get(principal)
+        if row is None:
+            check_principal(principal)
+            row = self.store.get_principal(principal)
+            if row is None:
+                raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
+            self._rows[principal] = row
+        return row
+
+    def budget(self, principal: str) -> Budget:
+        """The budget ``principal`` was opened with."""
+        row = self._row(principal)
+        return Budget(row.epsilon, row.delta)
+
+    def accountant(self, principal: str) -> str:
+        """The accountant name ``principal`` was opened with."""
+        return self._row(principal).accountant
+
+    def principals(self, prefix: str = "") -> list[str]:
+        """Names of the opened principals that start with ``prefix``, sorted."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got prefix={prefix!r}")
+        return self.store.list_principals(prefix)
+
+    # -- charging ----------------------------------------------------------------------------------
+    def charge(self, principal: str, event: Any, idempotency_key: str | None = None) -> Receipt:
+        """Atomically charge ``event`` to ``principal`` if the composed spend stays within budget.
+
+        Args:
+            principal: an opened principal.
+            event: a ``gaussdp.accounting`` event (e.g. ``mechanism.event``).
+            idempotency_key: a retried call with the same key is charged once and returns the earlier
+                receipt with ``replayed=True`` (nothing new may be released under a replayed receipt).
+
+        Returns:
+            A :class:`Receipt`, written durably before this method returns.
+
+        Raises:
+            BudgetExhausted: the event does not fit (``policy="refuse"``); nothing was recorded.
+            UnknownPrincipal: ``principal`` was never opened.
+            InvalidParameter: the idempotency key was used before for a different event.
+        """
+        key = event_key(event)
+        idempotency_key = check_idempotency_key(idempotency_key)
+        row = self._row(principal)
+        self._composer._event(key)  # parse (and validate) the event before taking any lock
+        # Warm the allowance cache outside the lock, from the last history this process saw (or a
+        # snapshot): under contention the decision inside the transaction is then a cache lookup.
+        last = self._last_groups.get(principal)
+        allowed = self._allowed(row, last if last is not None else self.store.groups(principal), key)
+        after: dict[str, dict[str, int]] = {}
+        stored = None
+        fast = getattr(self.store, "charge_fast", None)
+        if fast is not None and last is not None:
+            # Stores that can check "same other events, count + 1 <= allowed" under the lock in one
+            # round trip; anything else (changed history, exhaustion, warn) takes the general path.
+            others = tuple(sorted((k, c) for k, c in last.items() if k != key))
+            done = fast(principal, key, idempotency_key, others, allowed)
+            if done is not None:
+                stored, count = done
+                if not stored.replayed:
+                    after["groups"] = self._last_groups[principal] = {**dict(others), key: count}
+        if stored is None:
+            stored = self.store.charge(principal, key, idempotency_key, self._decide(principal, key, after))
+        if not stored.within_budget and not stored.replayed:
+            msg = (
+                f"privacy budget of principal {principal!r} exhausted (budget epsilon={row.epsilon:g}, "
+                f"delta={row.delta:g}); the charge was recorded anyway because policy='warn'"
+            )
+            logger.warning(msg)
+            warnings.warn(msg, PrivacyWarning, stacklevel=2)
+        composed = None if stored.replayed else tuple(sorted(after["groups"].items()))
+        return _receipt(stored, composed)
+
+    def _allowed(self, row: PrincipalRow, groups: Mapping[str, int], key: str) -> int:
+        """Largest total count of ``key`` that fits with the other events of ``groups``."""
+        others = tuple(sorted((k, int(c)) for k, c in groups.items() if k != key))
+        try:
+            return self._composer.allowance(row.accountant, row.epsilon, row.delta, others, key)
+        except PrivacyError:
+            raise
+        except (ValueError, ArithmeticError) as exc:
+            raise InvalidParameter(
+                f"the {row.accountant!r} accountant cannot bound event={event_dict(key)}: {exc}"
+            ) from exc
+
+    def _decide(self, principal: str, key: str, after: dict[str, dict[str, int]]) -> Decide:
+        def decide(row: PrincipalRow, groups: Mapping[str, int]) -> bool:
+            count = int(groups.get(key, 0))
+            if len(self._last_groups) > _MAX_HINTS:
+                self._last_groups.clear()
+            after["groups"] = self._last_groups[principal] = {**groups, key: count + 1}
+            if count + 1 <= self._allowed(row, groups, key):
+                return True
+            if self.policy == "refuse":
+                self._last_groups[principal] = dict(groups)
+                spent = self._composer.epsilon(row.accountant, row.delta, tuple(sorted(groups.items())))
+                raise BudgetExhausted(
+                    f"privacy budget of principal {principal!r} exhausted: spent epsilon={spent:.6g} of "
+                    f"budget epsilon={row.epsilon:g} at delta={row.delta:g}, and event={event_dict(key)} "
+                    f"does not fit ({row.accountant} accountant); nothing was charged"
+                )
+            return False
+
+        return decide
+
+    def allowance(self, principal: str, event: Any) -> int:
+        """How many more charges of ``event`` fit in ``principal``'s budget now (a snapshot)."""
+        key = event_key(event)
+        row = self._row(principal)
+        groups = self.store.groups(principal)
+        return max(0, self._allowed(row, groups, key) - groups.get(key, 0))
+
+    def release(self, principal: str, mechanism: Any, x: Any, *, idempotency_key: str | None = None) -> Any:
+        """Charge ``mechanism.event`` to ``principal`` durably, then return ``mechanism.release(x)``.
+
+        The order is the guarantee: a crash after the charge loses budget, never privacy. A floating
+        input with NaN or Inf is refused before anything is charged. A replayed idempotency key raises
+        (a second noisy value under one charge would not be covered by it).
+
+        Raises:
+            BudgetExhausted: the release does not fit in the budget; nothing was charged or released.
+            UnsafeInput: ``x`` holds NaN or Inf.
+            PrivacyError: ``idempotency_key`` was already used for a release.
+        """
+        _refuse_non_finite(x)
+        receipt = self.charge(principal, mechanism.event, idempotency_key)
+        if receipt.replayed:
+            raise PrivacyError(
+                f"idempotency_key={idempotency_key!r} was already charged and released once for principal "
+                f"{principal!r}; a second noisy value would not be covered by that charge"
+            )
+        return mechanism.release(x)
+
+    # -- reading -----------------------------------------------------------------------------------
+    def spent(self, principal: str, *, as_of: Receipt | None = None) -> Spent:
+        """Composed epsilon of everything charged to ``principal``, at its budget's delta.
+
+        With ``as_of=receipt`` (a receipt of this principal), the spend right after that charge,
+        composed from the receipt without reading the store.
+        """
+        row = self._row(principal)
+        if as_of is not None and as_of.principal != principal:
+            raise InvalidParameter(f"as_of is a receipt of principal {as_of.principal!r}, not {principal!r}")
+        if as_of is not None and as_of.composed is not None:
+            groups = as_of.composed
+        else:
+            groups = tuple(sorted(self.store.groups(principal).items()))
+        if not groups:
+            return Spent(0.0, 0.0)
+        return Spent(self._composer.epsilon(row.accountant, row.delta, groups), row.delta)
+
+    def remaining(self, principal: str) -> Spent:
+        """``budget.epsilon - spent.epsilon`` (at the budget's delta, floored at 0).
+
+        Under tight accountants privacy does not add up linearly: whether a given next event fits is
+        what :meth:`allowance` and :meth:`charge` decide, not this difference.
+        """
+        row = self._row(principal)
+        return Spent(max(0.0, row.epsilon - self.spent(principal).epsilon), row.delta)
+
+    def history(self, principal: str, limit: int | None = None) -> list[ChargeRecord]:
+        """The charges of ``principal`` in order (the last ``limit`` if given)."""
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise InvalidParameter(f"limit must be a non-negative int or None, got limit={limit!r}")
+        self._row(principal)
+        return [
+            ChargeRecord(
+                c.charge_id,
+                c.principal,
+                event_dict(c.event_key),
+                c.idempotency_key,
+                c.created_at,
+                c.within_budget,
+            )
+            for c in self.store.history(principal, limit)
+        ]
+
+    def events(self, principal: str) -> list[tuple[Any, int]]:
+        """The distinct events charged to ``principal`` with their counts (what the accountant composes)."""
+        self._row(principal)
+        return [(self._composer._event(k), c) for k, c in sorted(self.store.groups(principal).items())]
+
+
+def _receipt(stored: StoredCharge, composed: tuple[tuple[str, int], ...] | None) -> Receipt:
+    return Receipt(
+        principal=stored.principal,
+        charge_id=stored.charge_id,
+        event=event_dict(stored.event_key),
+        idempotency_key=stored.idempotency_key,
+        created_at=stored.created_at,
+        replayed=stored.replayed,
+        within_budget=stored.within_budget,
+        composed=composed,
+    )
+
+
+def _refuse_non_finite(x: Any) -> None:
+    import numpy as np
+
+    if isinstance(x, np.ndarray) and x.dtype.kind in "fc" and not np.isfinite(x).all():
+        raise UnsafeInput("x holds NaN or Inf; nothing was charged or released")

@@ -1,0 +1,105 @@
+"""In-process ledger store (``memory://``): a dict behind one lock. Nothing survives the process."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from gaussdp.budget.store import (
+    ApiKeyRow,
+    Decide,
+    PrincipalRow,
+    StoredCharge,
+    UnknownPrincipal,
+    replayed_charge,
+)
+
+__all__ = ["MemoryStore"]
+
+
+class MemoryStore:
+    """Thread-safe, not durable: for tests, notebooks and single-process experiments."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._principals: dict[str, PrincipalRow] = {}
+        self._groups: dict[str, dict[str, int]] = {}
+        self._charges: dict[str, list[StoredCharge]] = {}
+        self._by_key: dict[tuple[str, str], StoredCharge] = {}
+        self._keys: dict[str, ApiKeyRow] = {}
+        self._next_id = 1
+
+    def open_principal(self, principal: str, epsilon: float, delta: float, accountant: str) -> PrincipalRow:
+        with self._lock:
+            row = self._principals.get(principal)
+            if row is None:
+                row = PrincipalRow(principal, epsilon, delta, accountant, time.time())
+                self._principals[principal] = row
+                self._groups[principal] = {}
+                self._charges[principal] = []
+            return row
+
+    def get_principal(self, principal: str) -> PrincipalRow | None:
+        with self._lock:
+            return self._principals.get(principal)
+
+    def list_principals(self, prefix: str = "") -> list[str]:
+        with self._lock:
+            return sorted(p for p in self._principals if p.startswith(prefix))
+
+    def groups(self, principal: str) -> dict[str, int]:
+        with self._lock:
+            if principal not in self._principals:
+                raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
+            return dict(self._groups[principal])
+
+    def charge(
+        self, principal: str, event_key: str, idempotency_key: str | None, decide: Decide
+    ) -> StoredCharge:
+        with self._lock:
+            row = self._principals.get(principal)
+            if row is None:
+                raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
+            if idempotency_key is not None:
+                earlier = self._by_key.get((principal, idempotency_key))
+                if earlier is not None:
+                    return replayed_charge(earlier, event_key)
+            groups = self._groups[principal]
+            within = decide(row, groups)  # may raise: nothing below runs, nothing is recorded
+            charge = StoredCharge(self._next_id, principal, event_key, idempotency_key, time.time(), within)
+            self._next_id += 1
+            groups[event_key] = groups.get(event_key, 0) + 1
+            self._charges[principal].append(charge)
+            if idempotency_key is not None:
+                self._by_key[(principal, idempotency_key)] = charge
+            return charge
+
+    def history(self, principal: str, limit: int | None = None) -> list[StoredCharge]:
+        with self._lock:
+            if principal not in self._principals:
+                raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
+            charges = self._charges[principal]
+            return list(charges if limit is None else charges[-limit:])
+
+    def put_api_key(self, row: ApiKeyRow) -> None:
+        with self._lock:
+            self._keys[row.key_id] = row
+
+    def get_api_key(self, key_id: str) -> ApiKeyRow | None:
+        with self._lock:
+            return self._keys.get(key_id)
+
+    def list_api_keys(self) -> list[ApiKeyRow]:
+        with self._lock:
+            return sorted(self._keys.values(), key=lambda r: (r.tenant, r.created_at))
+
+    def revoke_api_key(self, key_id: str) -> bool:
+        with self._lock:
+            row = self._keys.get(key_id)
+            if row is None:
+                return False
+            self._keys[key_id] = ApiKeyRow(row.key_id, row.tenant, row.key_hash, row.created_at, True)
+            return True
+
+    def close(self) -> None:
+        pass

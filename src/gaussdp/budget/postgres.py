@@ -1,0 +1,334 @@
+"""PostgreSQL ledger store (``postgresql://...``): for services with several processes or machines.
+
+One transaction per charge: ``SELECT ... FOR UPDATE`` on the principal's row serialises charges of
+that principal (and only that principal) across every connection, the history is read under that
+lock, and the new charge is written with one statement before ``COMMIT``. The common charge (the
+process already knows the principal's other events) takes one round trip instead: the server-side
+function ``gdp_charge_fast`` re-checks, under the same row lock, that the other events are the ones
+the allowance was computed for and that ``count + 1 <= allowed``, and answers "slow" otherwise.
+``psycopg`` (3) and ``psycopg_pool`` are imported only when a PostgreSQL ledger is opened
+(``service`` extra).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from gaussdp.budget.store import (
+    ApiKeyRow,
+    Decide,
+    PrincipalRow,
+    StoredCharge,
+    UnknownPrincipal,
+    replayed_charge,
+)
+from gaussdp.errors import InvalidParameter
+
+__all__ = ["PostgresStore"]
+
+_IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+_SCHEMA = """
+CREATE SCHEMA IF NOT EXISTS {s};
+CREATE TABLE IF NOT EXISTS {s}.gdp_principals (
+    principal TEXT PRIMARY KEY,
+    epsilon DOUBLE PRECISION NOT NULL,
+    delta DOUBLE PRECISION NOT NULL,
+    accountant TEXT NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL
+);
+CREATE TABLE IF NOT EXISTS {s}.gdp_spent (
+    principal TEXT NOT NULL REFERENCES {s}.gdp_principals(principal),
+    event_key TEXT NOT NULL,
+    count BIGINT NOT NULL CHECK (count > 0),
+    PRIMARY KEY (principal, event_key)
+);
+CREATE TABLE IF NOT EXISTS {s}.gdp_charges (
+    id BIGSERIAL PRIMARY KEY,
+    principal TEXT NOT NULL REFERENCES {s}.gdp_principals(principal),
+    event_key TEXT NOT NULL,
+    idempotency_key TEXT,
+    created_at DOUBLE PRECISION NOT NULL,
+    within_budget BOOLEAN NOT NULL,
+    UNIQUE (principal, idempotency_key)
+);
+CREATE INDEX IF NOT EXISTS gdp_charges_principal ON {s}.gdp_charges (principal, id);
+CREATE TABLE IF NOT EXISTS {s}.gdp_api_keys (
+    key_id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    key_hash TEXT NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL,
+    revoked BOOLEAN NOT NULL DEFAULT FALSE
+)
+"""
+
+# One round trip for the common charge: the ledger already knows, from the last history it saw, the
+# other events of the principal and how many of this event they leave room for (``allowed``). The
+# function re-checks both under the row lock (the fingerprint of the other events must match) and
+# answers 'slow' whenever anything differs, so the caller falls back to the general transaction.
+# A VOLATILE function takes a new snapshot per statement: the history is read after the lock.
+_FAST_CHARGE = """
+CREATE OR REPLACE FUNCTION {s}.gdp_charge_fast(
+    p_principal TEXT, p_key TEXT, p_idem TEXT, p_others_md5 TEXT, p_allowed BIGINT, p_now DOUBLE PRECISION
+) RETURNS TABLE (o_status TEXT, o_id BIGINT, o_created DOUBLE PRECISION, o_within BOOLEAN,
+                 o_count BIGINT, o_key TEXT)
+LANGUAGE plpgsql VOLATILE AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_count BIGINT;
+    v_others TEXT;
+    v_id BIGINT;
+BEGIN
+    PERFORM 1 FROM {s}.gdp_principals p WHERE p.principal = p_principal FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT 'unknown'::TEXT, NULL::BIGINT, NULL::DOUBLE PRECISION, NULL::BOOLEAN,
+                            NULL::BIGINT, NULL::TEXT;
+        RETURN;
+    END IF;
+    IF p_idem IS NOT NULL THEN
+        RETURN QUERY SELECT 'replay'::TEXT, c.id, c.created_at, c.within_budget, NULL::BIGINT, c.event_key
+            FROM {s}.gdp_charges c WHERE c.principal = p_principal AND c.idempotency_key = p_idem;
+        IF FOUND THEN
+            RETURN;
+        END IF;
+    END IF;
+    SELECT coalesce(max(g.count) FILTER (WHERE g.event_key = p_key), 0),
+           md5(coalesce(string_agg(g.event_key || ':' || g.count::TEXT, ',' ORDER BY g.event_key COLLATE "C")
+                        FILTER (WHERE g.event_key <> p_key), ''))
+        INTO v_count, v_others
+        FROM {s}.gdp_spent g WHERE g.principal = p_principal;
+    IF v_others <> p_others_md5 OR v_count + 1 > p_allowed THEN
+        RETURN QUERY SELECT 'slow'::TEXT, NULL::BIGINT, NULL::DOUBLE PRECISION, NULL::BOOLEAN,
+                            NULL::BIGINT, NULL::TEXT;
+        RETURN;
+    END IF;
+    INSERT INTO {s}.gdp_spent AS g (principal, event_key, count) VALUES (p_principal, p_key, 1)
+        ON CONFLICT (principal, event_key) DO UPDATE SET count = g.count + 1;
+    INSERT INTO {s}.gdp_charges (principal, event_key, idempotency_key, created_at, within_budget)
+        VALUES (p_principal, p_key, p_idem, p_now, TRUE) RETURNING id INTO v_id;
+    RETURN QUERY SELECT 'ok'::TEXT, v_id, p_now, TRUE, v_count + 1, p_key;
+END
+$fn$
+"""
+
+
+def others_fingerprint(others: tuple[tuple[str, int], ...]) -> str:
+    """md5 of ``key:count`` pairs sorted by key (byte order, as ``COLLATE "C"``), comma-joined."""
+    import hashlib
+
+    text = ",".join(f"{k}:{c}" for k, c in sorted(others, key=lambda kc: kc[0].encode()))
+    return hashlib.md5(text.encode(), usedforsecurity=False).hexdigest()
+
+
+class PostgresStore:
+    """A connection pool to one PostgreSQL database; the tables live in ``schema`` (default public)."""
+
+    def __init__(self, conninfo: str, *, schema: str = "public", pool_size: int = 16) -> None:
+        try:
+            from psycopg_pool import ConnectionPool
+        except ImportError:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "a PostgreSQL ledger needs psycopg 3 and psycopg_pool: pip install 'gaussdp[service]'"
+            ) from None
+        if not _IDENT.match(schema):
+            raise InvalidParameter(f"schema must be a lower-case SQL identifier, got schema={schema!r}")
+        self.schema = schema
+        self._pool = ConnectionPool(
+            conninfo,
+            min_size=1,
+            max_size=max(1, int(pool_size)),
+            kwargs={"autocommit": True},
+            open=True,
+            name="gaussdp-ledger",
+        )
+        s = schema
+        self._sql = {
+            "lock": f"SELECT epsilon, delta, accountant, created_at FROM {s}.gdp_principals "
+            "WHERE principal = %s FOR UPDATE",
+            "groups": f"SELECT event_key, count FROM {s}.gdp_spent WHERE principal = %s",
+            "by_key": f"SELECT id, event_key, created_at, within_budget FROM {s}.gdp_charges "
+            "WHERE principal = %s AND idempotency_key = %s",
+            # One statement writes both the grouped count and the charge log row.
+            "write": f"WITH up AS (INSERT INTO {s}.gdp_spent (principal, event_key, count) "
+            "VALUES (%s, %s, 1) "
+            f"ON CONFLICT (principal, event_key) DO UPDATE SET count = {s}.gdp_spent.count + 1) "
+            f"INSERT INTO {s}.gdp_charges (principal, event_key, idempotency_key, created_at, within_budget) "
+            "VALUES (%s, %s, %s, %s, %s) RETURNING id",
+            "principal": f"SELECT epsilon, delta, accountant, created_at FROM {s}.gdp_principals "
+            "WHERE principal = %s",
+        }
+        with self._pool.connection() as conn, conn.transaction():
+            # Concurrent first opens would race on CREATE TABLE IF NOT EXISTS: serialise them.
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"gaussdp-ledger-{schema}",))
+            for statement in _SCHEMA.format(s=schema).split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+            exists = conn.execute(
+                "SELECT to_regprocedure(%s)",
+                (f"{schema}.gdp_charge_fast(text,text,text,text,bigint,double precision)",),
+            ).fetchone()
+            if exists is None or exists[0] is None:  # replacing it on every open would churn the catalog
+                conn.execute(_FAST_CHARGE.replace("{s}", schema))
+
+    @classmethod
+    def from_url(cls, url: str) -> PostgresStore:
+        parts = urlsplit(url)
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        schema = next((v for k, v in query if k == "schema"), "public")
+        pool_size = int(next((v for k, v in query if k == "pool_size"), "16"))
+        rest = [(k, v) for k, v in query if k not in ("schema", "pool_size")]
+        return cls(urlunsplit(parts._replace(query=urlencode(rest))), schema=schema, pool_size=pool_size)
+
+    def open_principal(self, principal: str, epsilon: float, delta: float, accountant: str) -> PrincipalRow:
+        with self._pool.connection() as conn:
+            conn.execute(
+                f"INSERT INTO {self.schema}.gdp_principals "
+                "(principal, epsilon, delta, accountant, created_at) "
+                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (principal) DO NOTHING",
+                (principal, epsilon, delta, accountant, time.time()),
+            )
+            r = conn.execute(self._sql["principal"], (principal,)).fetchone()
+        assert r is not None
+        return PrincipalRow(principal, r[0], r[1], r[2], r[3])
+
+    def get_principal(self, principal: str) -> PrincipalRow | None:
+        with self._pool.connection() as conn:
+            r = conn.execute(self._sql["principal"], (principal,)).fetchone()
+        return None if r is None else PrincipalRow(principal, r[0], r[1], r[2], r[3])
+
+    def list_principals(self, prefix: str = "") -> list[str]:
+        with self._pool.connection() as conn:
+            rows = conn.execute(
+                f"SELECT principal FROM {self.schema}.gdp_principals WHERE left(principal, %s) = %s "
+                "ORDER BY principal",
+                (len(prefix), prefix),
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def groups(self, principal: str) -> dict[str, int]:
+        with self._pool.connection() as conn, conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            if conn.execute(self._sql["principal"], (principal,)).fetchone() is None:
+                raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
+            rows = conn.execute(self._sql["groups"], (principal,)).fetchall()
+        return {k: int(c) for k, c in rows}
+
+    def charge(
+        self, principal: str, event_key: str, idempotency_key: str | None, decide: Decide
+    ) -> StoredCharge:
+        # Pipeline mode: BEGIN, the lock, the idempotency lookup and the history read go to the server
+        # in one round trip, the write and COMMIT in a second. The server still runs them in order:
+        # each SELECT after the lock takes its snapshot (READ COMMITTED) only once the lock is granted,
+        # so the history it reads is current. (A join inside the locking statement would not be.)
+        with self._pool.connection() as conn, conn.pipeline() as pipe:
+            with conn.transaction():
+                lock = conn.execute(self._sql["lock"], (principal,))  # the principal's row lock
+                by_key = (
+                    conn.execute(self._sql["by_key"], (principal, idempotency_key))
+                    if idempotency_key is not None
+                    else None
+                )
+                hist = conn.execute(self._sql["groups"], (principal,))
+                pipe.sync()
+                r = lock.fetchone()
+                if r is None:
+                    raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
+                row = PrincipalRow(principal, r[0], r[1], r[2], r[3])
+                e = by_key.fetchone() if by_key is not None else None
+                if e is not None:
+                    earlier = StoredCharge(e[0], principal, e[1], idempotency_key, e[2], bool(e[3]))
+                    return replayed_charge(earlier, event_key)
+                groups = {k: int(c) for k, c in hist.fetchall()}
+                within = decide(row, groups)  # may raise: leaving the transaction block rolls back
+                now = time.time()
+                write = conn.execute(
+                    self._sql["write"],
+                    (principal, event_key, principal, event_key, idempotency_key, now, within),
+                )
+            pipe.sync()  # COMMIT has been queued by the transaction block; wait for it
+            w = write.fetchone()
+            assert w is not None
+        return StoredCharge(int(w[0]), principal, event_key, idempotency_key, now, within)
+
+    def charge_fast(
+        self,
+        principal: str,
+        event_key: str,
+        idempotency_key: str | None,
+        others: tuple[tuple[str, int], ...],
+        allowed: int,
+    ) -> tuple[StoredCharge, int] | None:
+        """One round trip: charge if the other events are still ``others`` and ``count + 1 <= allowed``.
+
+        Returns ``(charge, new_count)``, or ``None`` when the general :meth:`charge` must decide.
+        """
+        now = time.time()
+        with self._pool.connection() as conn:
+            r = conn.execute(
+                f"SELECT * FROM {self.schema}.gdp_charge_fast(%s, %s, %s, %s, %s, %s)",
+                (principal, event_key, idempotency_key, others_fingerprint(others), int(allowed), now),
+            ).fetchone()
+        assert r is not None
+        status = r[0]
+        if status == "unknown":
+            raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
+        if status == "replay":
+            earlier = StoredCharge(int(r[1]), principal, r[5], idempotency_key, r[2], bool(r[3]))
+            return replayed_charge(earlier, event_key), -1
+        if status == "ok":
+            return StoredCharge(int(r[1]), principal, event_key, idempotency_key, r[2], True), int(r[4])
+        return None
+
+    def history(self, principal: str, limit: int | None = None) -> list[StoredCharge]:
+        if self.get_principal(principal) is None:
+            raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
+        sql = (
+            "SELECT id, event_key, idempotency_key, created_at, within_budget "
+            f"FROM {self.schema}.gdp_charges "
+            "WHERE principal = %s ORDER BY id DESC"
+        )
+        args: tuple[Any, ...] = (principal,)
+        if limit is not None:
+            sql += " LIMIT %s"
+            args = (principal, int(limit))
+        with self._pool.connection() as conn:
+            rows = conn.execute(sql, args).fetchall()
+        return [StoredCharge(int(r[0]), principal, r[1], r[2], r[3], bool(r[4])) for r in reversed(rows)]
+
+    def put_api_key(self, row: ApiKeyRow) -> None:
+        with self._pool.connection() as conn:
+            conn.execute(
+                f"INSERT INTO {self.schema}.gdp_api_keys (key_id, tenant, key_hash, created_at, revoked) "
+                "VALUES (%s, %s, %s, %s, %s)",
+                (row.key_id, row.tenant, row.key_hash, row.created_at, row.revoked),
+            )
+
+    def get_api_key(self, key_id: str) -> ApiKeyRow | None:
+        with self._pool.connection() as conn:
+            r = conn.execute(
+                f"SELECT key_id, tenant, key_hash, created_at, revoked FROM {self.schema}.gdp_api_keys "
+                "WHERE key_id = %s",
+                (key_id,),
+            ).fetchone()
+        return None if r is None else ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4]))
+
+    def list_api_keys(self) -> list[ApiKeyRow]:
+        with self._pool.connection() as conn:
+            rows = conn.execute(
+                f"SELECT key_id, tenant, key_hash, created_at, revoked FROM {self.schema}.gdp_api_keys "
+                "ORDER BY tenant, created_at"
+            ).fetchall()
+        return [ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4])) for r in rows]
+
+    def revoke_api_key(self, key_id: str) -> bool:
+        with self._pool.connection() as conn:
+            cur = conn.execute(
+                f"UPDATE {self.schema}.gdp_api_keys SET revoked = TRUE WHERE key_id = %s", (key_id,)
+            )
+            return cur.rowcount > 0
+
+    def close(self) -> None:
+        self._pool.close()

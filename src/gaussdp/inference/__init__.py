@@ -1,0 +1,56 @@
+"""Private inference: noise a model's hidden states at one layer, charged per session (extra ``torch``).
+
+* :class:`HiddenStatePrivatizer`: a forward hook that clips each token's (or sequence's) hidden
+  state, charges the session's ledger, adds calibrated Gaussian noise, and removes itself cleanly.
+* :func:`stream_generate`: greedy streaming generation, charged per request and per new token.
+* Split mode (document 000): :func:`client_forward` / :func:`server_lora_delta` /
+  :func:`client_finish`, with a :class:`LoRABackend` for the server's delta computation
+  (:class:`PlainLoRABackend`; :class:`CKKSLoRABackend` with TenSEAL, optional).
+* Diagnostics: :func:`analytic_snr`, :func:`measure_snr`, :func:`output_effect`,
+  :func:`utility_report`.
+
+The neighbouring relation and what the guarantee covers are stated in
+:mod:`gaussdp.inference.privatizer`.
+"""
+
+from __future__ import annotations
+
+from gaussdp.inference._layers import find_last_block, resolve_layer
+from gaussdp.inference.backends import CKKSLoRABackend, LoRABackend, PlainLoRABackend
+from gaussdp.inference.diagnostics import (
+    OutputEffect,
+    SNRFigures,
+    UtilityReport,
+    analytic_snr,
+    measure_snr,
+    output_effect,
+    utility_report,
+)
+from gaussdp.inference.generation import stream_generate
+from gaussdp.inference.privatizer import HiddenStatePrivatizer, ReleaseStats
+from gaussdp.inference.split import (
+    client_finish,
+    client_forward,
+    server_lora_delta,
+)
+
+__all__ = [
+    "CKKSLoRABackend",
+    "HiddenStatePrivatizer",
+    "LoRABackend",
+    "OutputEffect",
+    "PlainLoRABackend",
+    "ReleaseStats",
+    "SNRFigures",
+    "UtilityReport",
+    "analytic_snr",
+    "client_finish",
+    "client_forward",
+    "find_last_block",
+    "measure_snr",
+    "output_effect",
+    "resolve_layer",
+    "server_lora_delta",
+    "stream_generate",
+    "utility_report",
+]

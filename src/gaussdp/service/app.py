@@ -1,0 +1,454 @@
+"""The FastAPI application: sessions with budgets, and Gaussian releases charged to them first.
+
+Status codes: 401 missing or bad API key; 404 a session this tenant does not own (another tenant's
+sessions are indistinguishable from missing ones); 409 the session's budget cannot pay for the
+release (``BudgetExhausted``: nothing was charged or released) or an idempotency key was already
+used for a release; 413 request body over ``max_body_bytes``; 422 invalid arguments, naming them.
+
+Split mode (document 000) has two endpoints. ``/hidden-state`` is for a TRUSTED server: it receives
+the clean hidden state, clips and noises it itself. ``/lora-delta`` is for an honest-but-curious
+server: the client clips and noises (:func:`gaussdp.inference.client_forward`), the server only
+computes the LoRA delta of the noised rows with an adapter it holds, and charges the session the
+privacy the client declares it spent (the server cannot verify that noise).
+"""
+
+# No "from __future__ import annotations": FastAPI resolves the local Annotated aliases at runtime.
+
+import base64
+import binascii
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from fastapi import Depends, FastAPI, HTTPException, Path, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from gaussdp.budget import Budget, BudgetExhausted, Ledger, PrincipalConflict, UnknownPrincipal
+from gaussdp.errors import PrivacyError
+from gaussdp.service.keys import verify_api_key
+from gaussdp.service.limits import BodySizeLimit
+from gaussdp.service.models import (
+    SESSION_ID_PATTERN,
+    ChargeOut,
+    HiddenStateIn,
+    HiddenStateOut,
+    LoraDeltaIn,
+    LoraDeltaOut,
+    Privacy,
+    ReleaseIn,
+    ReleaseOut,
+    SessionIn,
+    SessionOut,
+)
+
+__all__ = ["DEFAULT_LEDGER_URL", "DEFAULT_MAX_BODY_BYTES", "create_app"]
+
+logger = logging.getLogger("gaussdp.service")
+
+DEFAULT_LEDGER_URL = "sqlite:///gaussdp-ledger.db"
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+_KEY_CACHE_SECONDS = 30.0
+
+SessionId = Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The session's id.")]
+
+
+class _Tenants:
+    """API key -> tenant, verified against the store, remembered for a short while (revocation lag)."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+        self._cache: dict[str, tuple[str, float]] = {}
+        self._lock = threading.Lock()
+
+    def tenant(self, key: str) -> str | None:
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get(key)
+        if hit is not None and now - hit[1] < _KEY_CACHE_SECONDS:
+            return hit[0]
+        tenant = verify_api_key(self._ledger.store, key)
+        if tenant is not None:
+            with self._lock:
+                if len(self._cache) > 10_000:
+                    self._cache.clear()
+                self._cache[key] = (tenant, now)
+        return tenant
+
+
+def create_app(
+    ledger_url: str = DEFAULT_LEDGER_URL,
+    *,
+    ledger: Ledger | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    noise: Literal["secure", "fast"] = "secure",
+    lora_adapters: Mapping[str, Any] | None = None,
+) -> FastAPI:
+    """Build the service over a ledger (opened from ``ledger_url`` unless ``ledger`` is given).
+
+    Args:
+        ledger_url: where budgets and API keys live (``sqlite:///...`` or ``postgresql://...``).
+        ledger: an existing :class:`~gaussdp.budget.Ledger` instead (the caller closes it).
+        max_body_bytes: larger request bodies are refused with 413 before being read.
+        noise: noise source of every release, passed to ``GaussianMechanism(noise=...)``.
+        lora_adapters: LoRA adapters served by ``/lora-delta``: name -> ``(A, B)``, ``(A, B, scaling)``
+            or ``(A, B, scaling, backend)``, with PEFT shapes A (r, d) and B (d_out, r) (numpy or
+            torch), scaling 1 by default, and a :class:`gaussdp.inference.LoRABackend` (plain numpy
+            by default). Needs the ``torch`` extra (for :mod:`gaussdp.inference`).
+    """
+    owns_ledger = ledger is None
+    led = Ledger(ledger_url) if ledger is None else ledger
+    tenants = _Tenants(led)
+    adapters = _lora_adapters(lora_adapters)
+    lora_delta_of = _server_lora_delta() if adapters else None
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if owns_ledger:
+            led.close()
+
+    app = FastAPI(
+        title="gaussdp",
+        summary="Gaussian differential privacy as a service: per-session budgets, charged before release.",
+        version=_version(),
+        lifespan=lifespan,
+    )
+    app.state.ledger = led
+    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
+    bearer = HTTPBearer(auto_error=False, description="An API key from `gaussdp keys create TENANT`.")
+
+    def tenant_of(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
+        tenant = None if creds is None else tenants.tenant(creds.credentials)
+        if tenant is None:
+            raise HTTPException(401, "missing or invalid API key", headers={"WWW-Authenticate": "Bearer"})
+        return tenant
+
+    Tenant = Annotated[str, Depends(tenant_of)]
+
+    def principal(tenant: str, session_id: str) -> str:
+        # Tenant names cannot contain "/", so "tenant/session" never collides across tenants.
+        return f"{tenant}/{session_id}"
+
+    def owned(tenant: str, session_id: str) -> str:
+        p = principal(tenant, session_id)
+        try:
+            led.budget(p)
+        except UnknownPrincipal:
+            raise HTTPException(404, f"no session {session_id!r} for this API key") from None
+        return p
+
+    def session_out(p: str, session_id: str) -> SessionOut:
+        budget, spent = led.budget(p), led.spent(p)
+        return SessionOut(
+            session_id=session_id,
+            accountant=led.accountant(p),
+            budget=Privacy(epsilon=budget.epsilon, delta=budget.delta),
+            spent=Privacy(epsilon=spent.epsilon, delta=spent.delta),
+            remaining=Privacy(epsilon=max(0.0, budget.epsilon - spent.epsilon), delta=budget.delta),
+            charges=sum(c for _, c in led.store.groups(p).items()),
+        )
+
+    @app.exception_handler(BudgetExhausted)
+    async def _exhausted(request: Request, exc: BudgetExhausted) -> JSONResponse:
+        return JSONResponse({"detail": str(exc), "error": "budget_exhausted"}, status_code=409)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default echoes the input back: it may be huge, or NaN (which JSON cannot encode).
+        errors = [
+            {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+            for e in exc.errors()
+        ]
+        return JSONResponse({"detail": errors}, status_code=422)
+
+    @app.exception_handler(PrincipalConflict)
+    async def _conflict(request: Request, exc: PrincipalConflict) -> JSONResponse:
+        return JSONResponse({"detail": str(exc), "error": "session_conflict"}, status_code=409)
+
+    @app.exception_handler(PrivacyError)
+    async def _invalid(request: Request, exc: PrivacyError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc), "error": type(exc).__name__}, status_code=422)
+
+    @app.get("/healthz", tags=["meta"])
+    def healthz() -> dict[str, str]:
+        """Liveness probe (no key needed)."""
+        return {"status": "ok"}
+
+    @app.post("/v1/sessions", status_code=201, response_model=SessionOut, tags=["sessions"])
+    def create_session(body: SessionIn, tenant: Tenant) -> SessionOut:
+        """Open a session with a total (epsilon, delta) budget; its releases are charged to it."""
+        session_id = body.session_id or secrets.token_urlsafe(12)
+        p = principal(tenant, session_id)
+        led.open(p, Budget(body.epsilon, body.delta), accountant=body.accountant)
+        return session_out(p, session_id)
+
+    @app.get("/v1/sessions", tags=["sessions"])
+    def list_sessions(tenant: Tenant) -> list[str]:
+        """The ids of this tenant's sessions."""
+        prefix = principal(tenant, "")
+        return [p[len(prefix) :] for p in led.principals(prefix)]
+
+    @app.get("/v1/sessions/{session_id}", response_model=SessionOut, tags=["sessions"])
+    def get_session(session_id: SessionId, tenant: Tenant) -> SessionOut:
+        """Budget, spent and remaining privacy of a session."""
+        return session_out(owned(tenant, session_id), session_id)
+
+    @app.get("/v1/sessions/{session_id}/history", response_model=list[ChargeOut], tags=["sessions"])
+    def session_history(session_id: SessionId, tenant: Tenant) -> list[ChargeOut]:
+        """Every charge of a session, oldest first."""
+        p = owned(tenant, session_id)
+        return [
+            ChargeOut(
+                charge_id=c.charge_id,
+                event=c.event,
+                idempotency_key=c.idempotency_key,
+                created_at=c.created_at,
+                within_budget=c.within_budget,
+            )
+            for c in led.history(p)
+        ]
+
+    @app.post("/v1/sessions/{session_id}/release", response_model=ReleaseOut, tags=["releases"])
+    def release(session_id: SessionId, body: ReleaseIn, tenant: Tenant) -> ReleaseOut:
+        """Clip a vector to L2 norm ``sensitivity``, add calibrated Gaussian noise; charged first."""
+        p = owned(tenant, session_id)
+        x = _vector(body.vector, body.vector_b64, "vector_b64")
+        mech = _mechanism(body.epsilon, body.delta, body.sigma, body.sensitivity, noise)
+        receipt, out = _charge_then_release(led, p, mech, x, body.idempotency_key)
+        budget, spent = led.budget(p), led.spent(p, as_of=receipt)
+        return ReleaseOut(
+            **_encode(out, "vector", b64=body.vector_b64 is not None),
+            sigma=float(mech.sigma),
+            sensitivity=body.sensitivity,
+            charge_id=receipt.charge_id,
+            spent=Privacy(epsilon=spent.epsilon, delta=spent.delta),
+            remaining=Privacy(epsilon=max(0.0, budget.epsilon - spent.epsilon), delta=budget.delta),
+        )
+
+    @app.post("/v1/sessions/{session_id}/hidden-state", response_model=HiddenStateOut, tags=["releases"])
+    def hidden_state(session_id: SessionId, body: HiddenStateIn, tenant: Tenant) -> HiddenStateOut:
+        """Document 000's split mode, TRUSTED server: clip the state to ``clip_norm``, noise it, charge.
+
+        The server sees the clean hidden state; with an honest-but-curious server use ``/lora-delta``.
+        Defaults are document 000's per-request (epsilon=1, delta=1e-5, clip 1), calibrated exactly
+        (analytic) instead of with the classical formula. ``neighbouring`` says what the epsilon
+        protects: ``"add-remove"`` (default, sensitivity ``clip_norm``: a state against its absence)
+        or ``"replace"`` (sensitivity ``2 * clip_norm``: any state against any other); the response
+        names it. An exhausted session is refused (409).
+        """
+        p = owned(tenant, session_id)
+        x = _vector(body.hidden_state, body.hidden_state_b64, "hidden_state_b64")
+        sensitivity = _sensitivity(body.clip_norm, body.neighbouring)
+        if body.neighbouring == "replace":
+            x = _clip(x, body.clip_norm)  # clipped to C, noised for 2C (the mechanism's clip is a no-op)
+        mech = _mechanism(body.epsilon, body.delta, body.sigma, sensitivity, noise)
+        receipt, out = _charge_then_release(led, p, mech, x, body.idempotency_key)
+        return HiddenStateOut(
+            **_encode(out, "noised", b64=body.hidden_state_b64 is not None),
+            sigma=float(mech.sigma),
+            clip_norm=body.clip_norm,
+            neighbouring=body.neighbouring,
+            sensitivity=sensitivity,
+            epsilon_spent=led.spent(p, as_of=receipt).epsilon,
+            budget_ok=True,
+            charge_id=receipt.charge_id,
+        )
+
+    @app.post("/v1/sessions/{session_id}/lora-delta", response_model=LoraDeltaOut, tags=["releases"])
+    def lora_delta(session_id: SessionId, body: LoraDeltaIn, tenant: Tenant) -> LoraDeltaOut:
+        """Document 000's split mode, untrusted server: the LoRA delta of rows the CLIENT privatized.
+
+        Each row of ``noised`` (or ``noised_b64``, row-major float32 with the adapter's hidden size)
+        must already be clipped to ``clip_norm`` and noised with ``N(0, sigma^2 I)`` by the client
+        (e.g. :func:`gaussdp.inference.client_forward`). The answer is ``scaling * B @ (A @ h)`` per
+        row (:func:`gaussdp.inference.server_lora_delta`), post-processing of what the client sent.
+
+        **The server cannot verify the client's clipping or noise.** ``clip_norm``, ``sigma`` and
+        ``neighbouring`` are the client's declared spend: the session is charged one
+        ``GaussianEvent(noise_multiplier=sigma / sensitivity)`` per row (sensitivity ``2 * clip_norm``
+        for ``"replace"``, ``clip_norm`` for ``"add-remove"``), all rows in one atomic charge before
+        answering, so that the session's budget is enforced (409 once it cannot pay; nothing is
+        answered then). The charge records a claim, it does not make unnoised rows private.
+        """
+        p = owned(tenant, session_id)
+        adapter = adapters.get(body.adapter)
+        if adapter is None or lora_delta_of is None:
+            raise HTTPException(422, f"adapter: no LoRA adapter named {body.adapter!r} on this server")
+        a, b, scaling, backend = adapter
+        h = _rows(body.noised, body.noised_b64, a.shape[1], body.adapter)
+        sensitivity = _sensitivity(body.clip_norm, body.neighbouring)
+        event = _row_event(body.sigma / sensitivity, h.shape[0])
+        receipt = led.charge(p, event, body.idempotency_key)
+        if receipt.replayed:
+            raise HTTPException(
+                409,
+                f"idempotency_key={body.idempotency_key!r} was already charged and answered "
+                "(the first response is the only one)",
+            )
+        out = np.asarray(lora_delta_of(h, a, b, scaling, backend=backend), dtype=np.float64)
+        b64 = body.noised_b64 is not None
+        if not b64 and not np.isfinite(out).all():
+            raise HTTPException(422, "noised: the delta overflows float64 (rows far too large)")
+        budget, spent = led.budget(p), led.spent(p, as_of=receipt)
+        return LoraDeltaOut(
+            **_encode(out, "delta", b64=b64),
+            rows=int(h.shape[0]),
+            d_out=int(b.shape[0]),
+            adapter=body.adapter,
+            neighbouring=body.neighbouring,
+            sensitivity=sensitivity,
+            noise_multiplier=body.sigma / sensitivity,
+            charge_id=receipt.charge_id,
+            spent=Privacy(epsilon=spent.epsilon, delta=spent.delta),
+            remaining=Privacy(epsilon=max(0.0, budget.epsilon - spent.epsilon), delta=budget.delta),
+        )
+
+    _include_optional_routers(app)
+    return app
+
+
+def _sensitivity(clip_norm: float, neighbouring: str) -> float:
+    """L2 sensitivity of one row clipped to ``clip_norm``: 2C under replace, C under add/remove."""
+    return clip_norm * (2.0 if neighbouring == "replace" else 1.0)
+
+
+def _clip(x: np.ndarray, clip_norm: float) -> np.ndarray:
+    from gaussdp.clipping import clip_rows
+
+    clipped, _ = clip_rows(x.reshape(1, -1), clip_norm)
+    return np.asarray(clipped).reshape(x.shape)
+
+
+def _row_event(noise_multiplier: float, rows: int) -> Any:
+    """One Gaussian release per row, as one event (charged atomically), as the privatizer charges."""
+    from gaussdp.accounting import GaussianEvent, SelfComposedEvent
+
+    event = GaussianEvent(noise_multiplier=noise_multiplier)
+    return event if rows == 1 else SelfComposedEvent(event, rows)
+
+
+def _rows(values: list[list[float]] | None, b64: str | None, d: int, adapter: str) -> np.ndarray:
+    if values is not None:
+        h = np.asarray(values, dtype=np.float64)
+    else:
+        flat = _vector(None, b64, "noised_b64")
+        if flat.size % d:
+            raise HTTPException(
+                422, f"noised_b64 holds {flat.size} float32: not whole rows of {d} (adapter {adapter!r})"
+            )
+        h = flat.reshape(-1, d)
+    if h.ndim != 2 or h.shape[1] != d:
+        raise HTTPException(
+            422, f"noised rows have {h.shape[-1]} values; adapter {adapter!r} needs {d} (its hidden size)"
+        )
+    return h
+
+
+_Adapter = tuple[np.ndarray, np.ndarray, float, Any]
+
+
+def _lora_adapters(adapters: Mapping[str, Any] | None) -> dict[str, _Adapter]:
+    """Validate ``create_app(lora_adapters=...)`` once: name -> (A, B, scaling, backend)."""
+    out: dict[str, _Adapter] = {}
+    for name, spec in (adapters or {}).items():
+        if not isinstance(name, str) or not name or len(name) > 128:
+            raise ValueError(f"lora_adapters: names must be strings of 1 to 128 characters, got {name!r}")
+        if not isinstance(spec, tuple | list) or not 2 <= len(spec) <= 4:
+            raise TypeError(f"lora_adapters[{name!r}] must be (A, B[, scaling[, backend]])")
+        a, b = (_matrix(f"lora_adapters[{name!r}] {m}", x) for m, x in zip("AB", spec[:2], strict=True))
+        scaling = float(spec[2]) if len(spec) > 2 else 1.0
+        backend = spec[3] if len(spec) > 3 else None
+        if b.shape[1] != a.shape[0]:
+            raise ValueError(f"lora_adapters[{name!r}]: B {b.shape} needs {a.shape[0]} columns (A's rank)")
+        if not np.isfinite(scaling):
+            raise ValueError(f"lora_adapters[{name!r}]: scaling must be finite, got {scaling!r}")
+        if backend is not None:
+            from gaussdp.inference.backends import LoRABackend
+
+            if not isinstance(backend, LoRABackend):
+                raise TypeError(f"lora_adapters[{name!r}]: backend must be a gaussdp.inference.LoRABackend")
+        out[name] = (a, b, scaling, backend)
+    return out
+
+
+def _matrix(name: str, x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):  # a torch tensor
+        x = x.detach().cpu().double().numpy()
+    arr = np.array(x, dtype=np.float64)
+    if arr.ndim != 2 or not arr.size or not np.isfinite(arr).all():
+        raise ValueError(f"{name} must be a finite, non-empty 2-D matrix, got shape {arr.shape}")
+    return arr
+
+
+def _server_lora_delta() -> Callable[..., Any]:
+    """:func:`gaussdp.inference.server_lora_delta`, imported only when adapters are served (torch)."""
+    from gaussdp.inference.split import server_lora_delta
+
+    return server_lora_delta
+
+
+def _charge_then_release(led: Ledger, p: str, mech: Any, x: np.ndarray, key: str | None) -> tuple[Any, Any]:
+    """The ledger's charge-before-release, keeping the receipt for the response."""
+    receipt = led.charge(p, mech.event, key)
+    if receipt.replayed:
+        raise HTTPException(
+            409,
+            f"idempotency_key={key!r} was already charged and released; a second noisy value would not "
+            "be covered by that charge (the first response is the only one)",
+        )
+    return receipt, mech.release(x)
+
+
+def _mechanism(
+    epsilon: float | None, delta: float | None, sigma: float | None, sensitivity: float, noise: Any
+) -> Any:
+    from gaussdp.mechanism import GaussianMechanism
+
+    if sigma is not None:
+        return GaussianMechanism(sigma=sigma, sensitivity=sensitivity, noise=noise)
+    return GaussianMechanism(epsilon=epsilon, delta=delta, sensitivity=sensitivity, noise=noise)
+
+
+def _vector(values: list[float] | None, b64: str | None, b64_name: str) -> np.ndarray:
+    if values is not None:
+        return np.asarray(values, dtype=np.float64)
+    assert b64 is not None
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError):
+        raise HTTPException(422, f"{b64_name} must be standard base64 of little-endian float32") from None
+    if not raw or len(raw) % 4:
+        raise HTTPException(422, f"{b64_name} must decode to a whole number of float32 (4 bytes each)")
+    x = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+    if not np.isfinite(x).all():
+        raise HTTPException(422, f"{b64_name} holds NaN or Inf")
+    return x
+
+
+def _encode(out: Any, name: str, *, b64: bool) -> dict[str, Any]:
+    arr = np.asarray(out)
+    if b64:
+        return {f"{name}_b64": base64.b64encode(arr.astype("<f4").tobytes()).decode()}
+    return {name: arr.astype(np.float64).tolist()}
+
+
+def _include_optional_routers(app: FastAPI) -> None:
+    """Routers other topics contribute, when their modules (and extras) are importable."""
+    try:
+        from gaussdp.text.web import router as text_router
+    except ImportError:
+        return
+    app.include_router(text_router)
+
+
+def _version() -> str:
+    from gaussdp import __version__
+
+    return __version__

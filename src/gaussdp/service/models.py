@@ -1,0 +1,200 @@
+"""Request and response bodies of the service (pydantic v2): validated at the boundary, names kept."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "BudgetIn",
+    "HiddenStateIn",
+    "HiddenStateOut",
+    "LoraDeltaIn",
+    "LoraDeltaOut",
+    "ReleaseIn",
+    "ReleaseOut",
+    "SessionIn",
+    "SessionOut",
+]
+
+MAX_DIM = 1 << 20  # floats per vector (the byte limit usually binds first)
+MAX_ROWS = 1 << 16  # rows per LoRA-delta request (the byte limit usually binds first)
+SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+AccountantName = Literal["pld", "rdp", "advanced", "basic"]
+Vector = Annotated[list[Finite], Field(min_length=1, max_length=MAX_DIM)]
+Base64 = Annotated[str, Field(min_length=4, max_length=(MAX_DIM * 4 * 4) // 3 + 4)]
+Rows = Annotated[list[Vector], Field(min_length=1, max_length=MAX_ROWS)]
+Neighbouring = Literal["replace", "add-remove"]
+IdempotencyKey = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BudgetIn(_Strict):
+    epsilon: float = Field(gt=0, le=1e3, allow_inf_nan=False, description="Total epsilon of the session.")
+    delta: float = Field(gt=0, lt=1, allow_inf_nan=False, description="Total delta, in (0, 1).")
+
+
+class SessionIn(BudgetIn):
+    """A session is a principal of the ledger: one budget, spent by its releases."""
+
+    accountant: AccountantName = Field("pld", description="How the session's releases compose.")
+    session_id: str | None = Field(
+        None, pattern=SESSION_ID_PATTERN, description="Optional id; a random one is made when omitted."
+    )
+
+
+class Privacy(BaseModel):
+    epsilon: float
+    delta: float
+
+
+class SessionOut(BaseModel):
+    session_id: str
+    accountant: str
+    budget: Privacy
+    spent: Privacy
+    remaining: Privacy
+    charges: int
+
+
+class ChargeOut(BaseModel):
+    charge_id: int
+    event: dict[str, object]
+    idempotency_key: str | None
+    created_at: float
+    within_budget: bool
+
+
+class _Noise(_Strict):
+    epsilon: float | None = Field(None, gt=0, le=100, allow_inf_nan=False, description="Per-release epsilon.")
+    delta: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False, description="Per-release delta.")
+    sigma: float | None = Field(
+        None, gt=0, le=1e12, allow_inf_nan=False, description="Noise std; instead of epsilon and delta."
+    )
+    idempotency_key: IdempotencyKey | None = Field(
+        None, description="A retried request with the same key is charged once (and released once)."
+    )
+
+    def _check_noise(self, sensitivity_name: str) -> None:
+        if self.sigma is not None and (self.epsilon is not None or self.delta is not None):
+            raise ValueError(f"give either sigma or epsilon and delta (with {sensitivity_name}), not both")
+        if self.sigma is None and (self.epsilon is None or self.delta is None):
+            raise ValueError("give epsilon and delta, or sigma")
+
+
+class ReleaseIn(_Noise):
+    """Clip ``vector`` to L2 norm ``sensitivity``, add Gaussian noise, charge the session first."""
+
+    vector: Vector | None = Field(None, description="The vector, as a JSON list of finite numbers.")
+    vector_b64: Base64 | None = Field(None, description="The vector as base64 of little-endian float32.")
+    sensitivity: float = Field(1.0, gt=0, le=1e6, allow_inf_nan=False, description="L2 clip norm.")
+
+    @model_validator(mode="after")
+    def _one_vector(self) -> ReleaseIn:
+        if (self.vector is None) == (self.vector_b64 is None):
+            raise ValueError("give exactly one of vector and vector_b64")
+        self._check_noise("sensitivity")
+        return self
+
+
+class ReleaseOut(BaseModel):
+    vector: list[float] | None = None
+    vector_b64: str | None = None
+    sigma: float
+    sensitivity: float
+    charge_id: int
+    spent: Privacy
+    remaining: Privacy
+
+
+class HiddenStateIn(_Noise):
+    """Document 000's split mode: a hidden state in, the clipped and noised state out."""
+
+    hidden_state: Vector | None = None
+    hidden_state_b64: Base64 | None = None
+    epsilon: float | None = Field(1.0, gt=0, le=100, allow_inf_nan=False, description="Per-request epsilon.")
+    delta: float | None = Field(1e-5, gt=0, lt=1, allow_inf_nan=False, description="Per-request delta.")
+    clip_norm: float = Field(1.0, gt=0, le=1e6, allow_inf_nan=False, description="L2 clip norm.")
+    neighbouring: Neighbouring = Field(
+        "add-remove",
+        description="What the epsilon protects: 'add-remove' (a state against its absence, the zero "
+        "vector; sensitivity clip_norm, document 000's Delta_f) or 'replace' (any state against any "
+        "other; sensitivity 2 * clip_norm).",
+    )
+
+    @model_validator(mode="after")
+    def _one_state(self) -> HiddenStateIn:
+        if (self.hidden_state is None) == (self.hidden_state_b64 is None):
+            raise ValueError("give exactly one of hidden_state and hidden_state_b64")
+        if (
+            self.sigma is not None
+            and "epsilon" not in self.model_fields_set
+            and "delta" not in self.model_fields_set
+        ):
+            self.epsilon = self.delta = None  # sigma replaces the default per-request (epsilon, delta)
+        self._check_noise("clip_norm")
+        return self
+
+
+class HiddenStateOut(BaseModel):
+    noised: list[float] | None = None
+    noised_b64: str | None = None
+    sigma: float
+    clip_norm: float
+    neighbouring: Neighbouring = Field(description="The relation the epsilon figures are for.")
+    sensitivity: float = Field(description="L2 sensitivity the noise was calibrated and charged for.")
+    epsilon_spent: float = Field(description="Composed epsilon of the session so far, at its budget delta.")
+    budget_ok: bool = Field(description="Always true: an exhausted budget is refused with 409, never noised.")
+    charge_id: int
+
+
+class LoraDeltaIn(_Strict):
+    """Split mode with an untrusted server: rows the CLIENT already clipped and noised, in; a LoRA delta out.
+
+    The server cannot check the client's noise: ``clip_norm``, ``sigma`` and ``neighbouring`` are the
+    client's declaration of what it spent, charged to the session so that its budget is enforced.
+    """
+
+    adapter: str = Field(min_length=1, max_length=128, description="Name of a LoRA adapter the server holds.")
+    noised: Rows | None = Field(None, description="Noised rows (n, d), as a JSON list of lists.")
+    noised_b64: Base64 | None = Field(
+        None, description="Noised rows as base64 of little-endian float32, row-major; d is the adapter's."
+    )
+    clip_norm: float = Field(gt=0, le=1e6, allow_inf_nan=False, description="Each row's L2 clip.")
+    sigma: float = Field(gt=0, le=1e12, allow_inf_nan=False, description="Std of the noise the client added.")
+    neighbouring: Neighbouring = Field(
+        "replace",
+        description="Relation of the client's privatizer: 'replace' (sensitivity 2 * clip_norm, the "
+        "default of gaussdp.inference) or 'add-remove' (sensitivity clip_norm).",
+    )
+    idempotency_key: IdempotencyKey | None = Field(
+        None, description="A retried request with the same key is charged once (and answered once)."
+    )
+
+    @model_validator(mode="after")
+    def _one_rows(self) -> LoraDeltaIn:
+        if (self.noised is None) == (self.noised_b64 is None):
+            raise ValueError("give exactly one of noised and noised_b64")
+        if self.noised is not None and len({len(r) for r in self.noised}) != 1:
+            raise ValueError("noised: every row must have the same length")
+        return self
+
+
+class LoraDeltaOut(BaseModel):
+    delta: list[list[float]] | None = None
+    delta_b64: str | None = Field(None, description="Base64 of LE float32, row-major (rows, d_out).")
+    rows: int = Field(description="Rows answered, and charged.")
+    d_out: int
+    adapter: str
+    neighbouring: Neighbouring
+    sensitivity: float
+    noise_multiplier: float = Field(description="sigma / sensitivity of each row's charged GaussianEvent.")
+    charge_id: int
+    spent: Privacy
+    remaining: Privacy

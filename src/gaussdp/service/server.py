@@ -1,0 +1,70 @@
+"""Run the service with uvicorn: in the foreground (``gaussdp serve``) or in a background thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+__all__ = ["ServerThread", "serve"]
+
+
+def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve ``app`` until interrupted."""
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+class ServerThread:
+    """A real uvicorn server on a free localhost port, in a daemon thread (tests, demo, benchmarks).
+
+    >>> with ServerThread(app) as server:          # doctest: +SKIP
+    ...     httpx.get(server.url + "/healthz")
+    """
+
+    def __init__(
+        self, app: Any, host: str = "127.0.0.1", log_level: str = "warning", ws: str = "none"
+    ) -> None:
+        import uvicorn
+
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 0))  # bound before uvicorn starts: no race for the port
+        self.host, self.port = self._sock.getsockname()[:2]
+        config = uvicorn.Config(
+            app,
+            log_level=log_level,
+            access_log=False,
+            timeout_graceful_shutdown=2,
+            ws=ws,
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name="gaussdp-server", daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the gaussdp server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,440 @@
+"""Word vectors and the exact nearest-word search every text mechanism uses.
+
+A :class:`Vocabulary` holds ``V`` words and a ``V x dim`` float32 matrix whose entries lie in
+``[-clip, clip]`` (document 002 clips word2vec vectors to ``[-1, 1]``; the privacy statements of the
+mechanisms in :mod:`gaussdp.text.mechanisms` rely on that bound, so it is enforced on construction).
+
+Search: :meth:`Vocabulary.nearest` returns, for each row of a batch of vectors, the index of the
+vocabulary word at the smallest Euclidean distance. It is exact and batched: scores
+``||w||^2 - 2 v.w`` (``||v||^2`` is the same for every ``w`` and does not change the argmin) come from
+one float32 GEMM per block against a precomputed ``[-2 W | ||w||^2]`` matrix, then an argmin per row;
+blocks of queries and of vocabulary rows bound the memory to a few megabytes whatever the batch size.
+faiss is available as an option (``method="faiss-flat"`` exact, ``"faiss-hnsw"`` approximate, its
+recall against the exact search reported by :meth:`Vocabulary.search_recall`).
+
+File format (ours, one file): a NumPy ``.npz`` with ``words`` (unicode array), ``vectors`` (float32
+``V x dim``) and ``meta`` (a JSON string: format version, clip bound, provenance). Loading never
+unpickles objects (``allow_pickle=False``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gaussdp._validate import check_positive
+from gaussdp.errors import InvalidParameter, UnsafeInput
+
+__all__ = ["FORMAT_VERSION", "Vocabulary", "train_word2vec"]
+
+FORMAT_VERSION = 1
+
+# Query rows x vocabulary rows per GEMM block: a 512 x 4096 float32 score block is 8 MiB, which keeps
+# the argmin pass cache-friendly and the peak memory small for any batch size.
+_QUERY_BLOCK = 512
+_VOCAB_BLOCK = 4096
+
+
+class Vocabulary:
+    """Words and their vectors, clipped to ``[-clip, clip]``, with exact batched nearest-word search.
+
+    Args:
+        words: distinct words (str), ``V`` of them.
+        vectors: ``V x dim`` real matrix, finite. Converted to float32.
+        clip: every coordinate must lie in ``[-clip, clip]`` (default 1.0, as in document 002).
+        clip_vectors: when True, coordinates outside the bound are clipped to it (as document 002
+            does after training); when False (default) they are refused with :class:`UnsafeInput`,
+            because the worst-case distance bound ``2 * clip * sqrt(dim)`` would not hold.
+        meta: free-form provenance stored with the file (JSON-serialisable).
+
+    Raises:
+        UnsafeInput: NaN/Inf vectors, duplicate or empty words, values outside the clip bound.
+        InvalidParameter: shapes that do not match.
+    """
+
+    def __init__(
+        self,
+        words: Sequence[str],
+        vectors: Any,
+        *,
+        clip: float = 1.0,
+        clip_vectors: bool = False,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        clip = check_positive("clip", clip)
+        words = [str(w) for w in words]
+        matrix = np.asarray(vectors)
+        if matrix.ndim != 2:
+            raise InvalidParameter(f"vectors must be a 2-D matrix (words x dim), got shape {matrix.shape}")
+        if matrix.shape[0] != len(words):
+            raise InvalidParameter(
+                f"vectors has {matrix.shape[0]} rows but words has {len(words)} entries; they must match"
+            )
+        if len(words) == 0 or matrix.shape[1] == 0:
+            raise UnsafeInput(f"a vocabulary needs at least one word and one dimension, got {matrix.shape}")
+        if not np.issubdtype(matrix.dtype, np.number) or np.iscomplexobj(matrix):
+            raise TypeError(f"vectors must be a real numeric matrix, got dtype {matrix.dtype}")
+        matrix = np.array(matrix, dtype=np.float32, copy=True)
+        if not np.all(np.isfinite(matrix)):
+            raise UnsafeInput("vectors contains NaN or Inf; refusing to build the vocabulary")
+        if any(not w for w in words):
+            raise UnsafeInput("words contains an empty string")
+        if len(set(words)) != len(words):
+            raise UnsafeInput("words contains duplicates; each word must appear once")
+        too_big = float(np.max(np.abs(matrix)))
+        if too_big > clip:
+            if not clip_vectors:
+                raise UnsafeInput(
+                    f"vectors has a coordinate of magnitude {too_big:.4g} > clip={clip:g}; pass "
+                    "clip_vectors=True to clip them (the distance bounds of the mechanisms need it)"
+                )
+            np.clip(matrix, -clip, clip, out=matrix)
+        matrix.setflags(write=False)
+        self._words: list[str] = words
+        self._index: dict[str, int] = {w: i for i, w in enumerate(words)}
+        self._vectors = matrix
+        self.clip = clip
+        self.meta: dict[str, Any] = dict(meta or {})
+        # Precomputed search operand [-2 W | ||w||^2]^T (dim+1 x V), so that [v | 1] @ it = ||w||^2 - 2 v.w.
+        sq = np.einsum("ij,ij->i", matrix, matrix, dtype=np.float64).astype(np.float32)
+        self._sq_norms = sq
+        self._search_t = np.ascontiguousarray(np.concatenate([-2.0 * matrix, sq[:, None]], axis=1).T)
+        self._faiss: dict[str, Any] = {}
+        self._nn_distance: float | None = None
+
+    # ------------------------------------------------------------------ basic access
+    @property
+    def words(self) -> list[str]:
+        """The words, in index order (a copy)."""
+        return list(self._words)
+
+    @property
+    def vectors(self) -> np.ndarray:
+        """The ``V x dim`` float32 matrix (read-only view)."""
+        return self._vectors
+
+    @property
+    def dim(self) -> int:
+        return int(self._vectors.shape[1])
+
+    def __len__(self) -> int:
+        return len(self._words)
+
+    def __contains__(self, word: object) -> bool:
+        return word in self._index
+
+    def __repr__(self) -> str:
+        return f"Vocabulary({len(self)} words, dim={self.dim}, clip={self.clip:g})"
+
+    def index(self, word: str) -> int:
+        """Index of ``word``; KeyError if absent."""
+        return self._index[word]
+
+    def get(self, word: str) -> int | None:
+        """Index of ``word`` or None."""
+        return self._index.get(word)
+
+    def word(self, index: int) -> str:
+        return self._words[int(index)]
+
+    def lookup(self, indices: Iterable[int]) -> list[str]:
+        """Words at the given indices."""
+        return [self._words[int(i)] for i in indices]
+
+    # ------------------------------------------------------------------ distance bounds
+    @property
+    def box_diameter(self) -> float:
+        """``2 * clip * sqrt(dim)``: the largest distance between any two vectors in the clip box."""
+        return 2.0 * self.clip * math.sqrt(self.dim)
+
+    @property
+    def diameter_bound(self) -> float:
+        """An upper bound on the distance between any two words of this vocabulary (and the origin).
+
+        ``min(2 max_w ||w||, box_diameter)``: by the triangle inequality ``||a - b|| <= ||a|| + ||b||``.
+        It is computed from the public vocabulary only, never from a user's text.
+        """
+        max_norm = float(np.sqrt(np.max(self._sq_norms.astype(np.float64))))
+        # Round up a little: float32 norms, and the bound must never be below the truth.
+        return min(2.0 * max_norm * (1.0 + 1e-6), self.box_diameter)
+
+    def nearest_neighbour_distance(self, *, sample: int = 2000, quantile: float = 0.5) -> float:
+        """Typical distance from a word to its nearest *other* word (median over a fixed sample).
+
+        Used to say what a per-distance guarantee means for two similar words. The sample of words
+        is fixed (the first ``sample`` words after a deterministic shuffle), so the number is
+        reproducible; it describes the public vocabulary, not anyone's data.
+        """
+        if quantile == 0.5 and sample == 2000 and self._nn_distance is not None:
+            return self._nn_distance
+        if len(self) < 2:
+            raise InvalidParameter("a vocabulary with one word has no nearest neighbour")
+        order = np.random.default_rng(0).permutation(len(self))[: min(sample, len(self))]
+        queries = self._vectors[order]
+        dists = np.empty(len(order), dtype=np.float64)
+        for lo in range(0, len(order), _QUERY_BLOCK):
+            q = queries[lo : lo + _QUERY_BLOCK].astype(np.float64)
+            d2 = (
+                np.sum(q * q, axis=1)[:, None]
+                - 2.0 * q @ self._vectors.T.astype(np.float64)
+                + self._sq_norms.astype(np.float64)[None, :]
+            )
+            d2[np.arange(len(q)), order[lo : lo + _QUERY_BLOCK]] = np.inf
+            dists[lo : lo + len(q)] = np.sqrt(np.maximum(d2.min(axis=1), 0.0))
+        value = float(np.quantile(dists, quantile))
+        if quantile == 0.5 and sample == 2000:
+            self._nn_distance = value
+        return value
+
+    # ------------------------------------------------------------------ search
+    def nearest(self, vectors: Any, *, method: str = "exact") -> np.ndarray:
+        """Index of the nearest vocabulary word (Euclidean) for each row of ``vectors``.
+
+        Args:
+            vectors: ``n x dim`` (or one ``dim`` vector) of finite reals.
+            method: ``"exact"`` (default: blocked float32 GEMM + argmin), ``"faiss-flat"`` (exact,
+                faiss ``IndexFlatL2``), ``"faiss-hnsw"`` (approximate; see :meth:`search_recall`),
+                or ``"numpy"`` (one argmin per row; a slow reference).
+
+        Returns:
+            int64 array of ``n`` indices (a scalar index for a single vector). Ties go to the lowest
+            index in ``"exact"`` within float32 rounding of the scores.
+
+        Raises:
+            UnsafeInput: NaN/Inf in ``vectors``; InvalidParameter: wrong dimension or method.
+        """
+        q = np.asarray(vectors, dtype=np.float32)
+        single = q.ndim == 1
+        if single:
+            q = q[None, :]
+        if q.ndim != 2 or q.shape[1] != self.dim:
+            raise InvalidParameter(f"vectors must have shape (n, {self.dim}), got {np.shape(vectors)}")
+        if not np.all(np.isfinite(q)):
+            raise UnsafeInput("vectors contains NaN or Inf")
+        if method == "exact":
+            out = self._nearest_exact(q)
+        elif method == "numpy":
+            out = np.array([int(np.argmin(np.sum((self._vectors - v) ** 2, axis=1))) for v in q])
+        elif method in ("faiss-flat", "faiss-hnsw"):
+            index = self._faiss_index(method)
+            _, ids = index.search(np.ascontiguousarray(q), 1)
+            out = ids[:, 0].astype(np.int64)
+        else:
+            raise InvalidParameter(
+                f"method must be 'exact', 'numpy', 'faiss-flat' or 'faiss-hnsw', got method={method!r}"
+            )
+        return out[0] if single else out
+
+    def _nearest_exact(self, q: np.ndarray) -> np.ndarray:
+        n = q.shape[0]
+        n_vocab = len(self)
+        out = np.empty(n, dtype=np.int64)
+        qa = np.empty((min(n, _QUERY_BLOCK), self.dim + 1), dtype=np.float32)
+        scores = np.empty((min(n, _QUERY_BLOCK), min(n_vocab, _VOCAB_BLOCK)), dtype=np.float32)
+        for lo in range(0, n, _QUERY_BLOCK):
+            m = min(_QUERY_BLOCK, n - lo)
+            qa[:m, :-1] = q[lo : lo + m]
+            qa[:m, -1] = 1.0
+            best = np.full(m, np.inf, dtype=np.float32)
+            best_idx = np.zeros(m, dtype=np.int64)
+            rows = np.arange(m)
+            for vlo in range(0, n_vocab, _VOCAB_BLOCK):
+                w = min(_VOCAB_BLOCK, n_vocab - vlo)
+                block = scores[:m, :w]
+                np.matmul(qa[:m], self._search_t[:, vlo : vlo + w], out=block)
+                arg = block.argmin(axis=1)
+                val = block[rows, arg]
+                better = val < best
+                best[better] = val[better]
+                best_idx[better] = arg[better] + vlo
+            out[lo : lo + m] = best_idx
+        return out
+
+    def _faiss_index(self, method: str) -> Any:
+        if method not in self._faiss:
+            try:
+                import faiss
+            except ImportError as exc:  # pragma: no cover - depends on the environment
+                raise ImportError("faiss search needs the 'text' extra: pip install 'gaussdp[text]'") from exc
+            if method == "faiss-flat":
+                index = faiss.IndexFlatL2(self.dim)
+            else:
+                index = faiss.IndexHNSWFlat(self.dim, 32)
+                index.hnsw.efSearch = 64
+            index.add(np.ascontiguousarray(self._vectors))
+            self._faiss[method] = index
+        return self._faiss[method]
+
+    def search_recall(self, vectors: Any, *, method: str = "faiss-hnsw") -> float:
+        """Fraction of rows where ``method`` returns the same word as the exact search."""
+        exact = np.atleast_1d(self.nearest(vectors))
+        other = np.atleast_1d(self.nearest(vectors, method=method))
+        return float(np.mean(exact == other))
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_keyed_vectors(cls, kv: Any, *, clip: float = 1.0, clip_vectors: bool = True) -> Vocabulary:
+        """From a gensim ``KeyedVectors`` (coordinates clipped to ``[-clip, clip]`` by default)."""
+        return cls(
+            list(kv.index_to_key),
+            np.asarray(kv.vectors),
+            clip=clip,
+            clip_vectors=clip_vectors,
+            meta={"source": "gensim KeyedVectors"},
+        )
+
+    @classmethod
+    def from_word2vec(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        binary: bool | None = None,
+        clip: float = 1.0,
+        clip_vectors: bool = True,
+        limit: int | None = None,
+    ) -> Vocabulary:
+        """From a word2vec text or binary file (gensim's reader; ``binary`` guessed from the suffix)."""
+        from gensim.models import KeyedVectors
+
+        path = Path(path)
+        if binary is None:
+            binary = path.suffix.lower() in (".bin", ".gz") and not path.name.endswith(".txt.gz")
+        kv = KeyedVectors.load_word2vec_format(str(path), binary=binary, limit=limit)
+        vocab = cls.from_keyed_vectors(kv, clip=clip, clip_vectors=clip_vectors)
+        vocab.meta["source"] = f"word2vec {'binary' if binary else 'text'} file {path.name}"
+        return vocab
+
+    @classmethod
+    def train(
+        cls,
+        sentences: Iterable[Sequence[str]] | str | os.PathLike[str],
+        *,
+        dim: int = 50,
+        min_count: int = 3,
+        window: int = 5,
+        negative: int = 8,
+        epochs: int = 5,
+        max_vocab: int | None = 100_000,
+        clip: float = 1.0,
+        workers: int = 1,
+        seed: int = 1,
+    ) -> Vocabulary:
+        """Train word2vec (gensim, skip-gram with negative sampling) and clip to ``[-clip, clip]``.
+
+        Defaults are document 002's: 50 dimensions, min count 3, window 5, 8 negative samples,
+        vectors clipped to ``[-1, 1]``, at most 100k words. ``sentences`` is a path to a UTF-8 text
+        file (tokenised with :func:`gaussdp.text.tokenize.words`, one sentence per line) or an
+        iterable of token lists. The vectors are public parameters of the mechanism: train them on
+        public text, not on the text you mean to protect. ``seed`` only makes training reproducible
+        (the word vectors are not noise).
+        """
+        return train_word2vec(
+            sentences,
+            dim=dim,
+            min_count=min_count,
+            window=window,
+            negative=negative,
+            epochs=epochs,
+            max_vocab=max_vocab,
+            clip=clip,
+            workers=workers,
+            seed=seed,
+        )
+
+    # ------------------------------------------------------------------ file format
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the vocabulary as one ``.npz`` file (words, float32 vectors, JSON metadata)."""
+        path = Path(path)
+        if path.suffix != ".npz":
+            path = path.with_name(path.name + ".npz")
+        meta = {"format": "gaussdp-vocabulary", "version": FORMAT_VERSION, "clip": self.clip, **self.meta}
+        with open(path, "wb") as fh:
+            np.savez_compressed(
+                fh,
+                words=np.array(self._words, dtype=str),
+                vectors=self._vectors,
+                meta=np.array(json.dumps(meta)),
+            )
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Vocabulary:
+        """Read a file written by :meth:`save`. Also accepts word2vec ``.txt``/``.bin`` files."""
+        path = Path(path)
+        if path.suffix.lower() in (".txt", ".bin", ".vec", ".gz"):
+            return cls.from_word2vec(path)
+        with np.load(path, allow_pickle=False) as data:
+            try:
+                words, vectors, meta_raw = data["words"], data["vectors"], data["meta"]
+            except KeyError as exc:
+                raise UnsafeInput(f"{path} is not a gaussdp vocabulary file (missing {exc})") from None
+            meta = json.loads(str(meta_raw))
+        if meta.get("format") != "gaussdp-vocabulary" or int(meta.get("version", -1)) > FORMAT_VERSION:
+            raise UnsafeInput(f"{path} is not a gaussdp vocabulary file of version <= {FORMAT_VERSION}")
+        clip = float(meta.pop("clip", 1.0))
+        for key in ("format", "version"):
+            meta.pop(key, None)
+        return cls(words.tolist(), vectors, clip=clip, meta=meta)
+
+
+def train_word2vec(
+    sentences: Iterable[Sequence[str]] | str | os.PathLike[str],
+    *,
+    dim: int = 50,
+    min_count: int = 3,
+    window: int = 5,
+    negative: int = 8,
+    epochs: int = 5,
+    max_vocab: int | None = 100_000,
+    clip: float = 1.0,
+    workers: int = 1,
+    seed: int = 1,
+) -> Vocabulary:
+    """See :meth:`Vocabulary.train`."""
+    from gensim.models import Word2Vec
+
+    from gaussdp.text.tokenize import words as tokenize_words
+
+    if isinstance(sentences, (str, os.PathLike)):
+        path = Path(sentences)
+        text = path.read_text(encoding="utf-8")
+        corpus = [toks for line in text.splitlines() if (toks := tokenize_words(line))]
+        source = f"word2vec trained on {path.name}"
+    else:
+        corpus = [list(s) for s in sentences]
+        source = "word2vec trained on an in-memory corpus"
+    if not corpus:
+        raise UnsafeInput("the training corpus has no words")
+    model = Word2Vec(
+        sentences=corpus,
+        vector_size=int(dim),
+        min_count=int(min_count),
+        window=int(window),
+        negative=int(negative),
+        sg=1,
+        epochs=int(epochs),
+        workers=int(workers),
+        seed=int(seed),
+        max_final_vocab=max_vocab,
+    )
+    kv = model.wv
+    if len(kv.index_to_key) == 0:
+        raise UnsafeInput(f"no word occurs at least min_count={min_count} times in the corpus")
+    vocab = Vocabulary(list(kv.index_to_key), np.asarray(kv.vectors), clip=clip, clip_vectors=True)
+    vocab.meta.update(
+        {
+            "source": source,
+            "dim": int(dim),
+            "min_count": int(min_count),
+            "window": int(window),
+            "negative": int(negative),
+            "epochs": int(epochs),
+        }
+    )
+    return vocab

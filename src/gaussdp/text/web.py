@@ -1,0 +1,140 @@
+"""The text perturbation web page: the perturbation runs in the browser; only perturbed text arrives.
+
+Routes (a FastAPI ``APIRouter``; ``gaussdp.service.app.create_app`` includes :data:`router`):
+
+* ``GET /text``: the page (``static/text.html`` + ``static/text.js``, plain JavaScript).
+* ``GET /text/static/text.js``: the script.
+* ``GET /text/vocab``: the public vocabulary, fetched once by the page: words, ``dim`` and the
+  ``V x dim`` float32 matrix as little-endian base64.
+* ``GET /text/guarantee?sigma=&delta=``: the Gaussian per-word guarantee for a public sigma.
+* ``POST /text/submit``: ``{"text", "mechanism", "sigma"}``, the *perturbed* text. The server
+  refuses (422) a text with any token that is not a vocabulary word: perturbed text only contains
+  vocabulary words, so this catches a client that would send raw text by mistake.
+
+Which vocabulary: :func:`make_router` takes one; the module-level :data:`router` loads, on first
+use, the file named by the environment variable ``GAUSSDP_TEXT_VOCAB`` or else the demo vocabulary
+shipped with gaussdp.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+from collections.abc import Callable
+from importlib import resources
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Query
+from fastapi.responses import HTMLResponse, Response
+from pydantic import BaseModel, Field
+
+from gaussdp.errors import PrivacyError
+from gaussdp.text.mechanisms import GaussianWordMechanism
+from gaussdp.text.tokenize import MAX_INPUT_BYTES, lines_of_words
+from gaussdp.text.vocabulary import Vocabulary
+
+__all__ = ["Submission", "make_router", "router"]
+
+
+class Submission(BaseModel):
+    """What the page sends: perturbed text only, plus the public mechanism parameters."""
+
+    text: str = Field(..., max_length=MAX_INPUT_BYTES)
+    mechanism: str = "gaussian"
+    sigma: float = Field(..., gt=0)
+
+
+def _static(name: str) -> str:
+    return (resources.files("gaussdp.text") / "static" / name).read_text(encoding="utf-8")
+
+
+def _default_vocabulary() -> Vocabulary:
+    path = os.environ.get("GAUSSDP_TEXT_VOCAB")
+    if path:
+        return Vocabulary.load(path)
+    from gaussdp.text.corpus import shipped_vocabulary
+
+    return shipped_vocabulary()
+
+
+def make_router(
+    vocabulary: Vocabulary | Callable[[], Vocabulary] | None = None,
+    *,
+    on_submit: Callable[[Submission], None] | None = None,
+) -> APIRouter:
+    """A router serving the page for ``vocabulary`` (an instance, a loader, or None for the default).
+
+    ``on_submit`` receives each accepted :class:`Submission` (e.g. to store it); by default
+    submissions are only counted and hashed in the response.
+    """
+    api = APIRouter(tags=["text"])
+    cache: dict[str, Any] = {}
+
+    def vocab() -> Vocabulary:
+        if "vocab" not in cache:
+            if isinstance(vocabulary, Vocabulary):
+                cache["vocab"] = vocabulary
+            elif vocabulary is None:
+                cache["vocab"] = _default_vocabulary()
+            else:
+                cache["vocab"] = vocabulary()
+        return cache["vocab"]
+
+    @api.get("/text", response_class=HTMLResponse, summary="Page that perturbs text in the browser")
+    def page() -> HTMLResponse:
+        return HTMLResponse(_static("text.html"))
+
+    @api.get("/text/static/text.js", summary="The page's script")
+    def script() -> Response:
+        return Response(_static("text.js"), media_type="text/javascript")
+
+    @api.get("/text/vocab", summary="The public vocabulary (float32 base64)")
+    def get_vocab() -> dict[str, Any]:
+        if "payload" not in cache:
+            v = vocab()
+            cache["payload"] = {
+                "words": v.words,
+                "dim": v.dim,
+                "clip": v.clip,
+                "dtype": "float32-le",
+                "vectors": base64.b64encode(v.vectors.astype("<f4").tobytes()).decode("ascii"),
+            }
+        return cache["payload"]
+
+    @api.get("/text/guarantee", summary="Per-word guarantee of the Gaussian mechanism for a sigma")
+    def guarantee(
+        sigma: float = Query(..., gt=0, le=1e6), delta: float = Query(1e-5, gt=0, lt=1)
+    ) -> dict[str, Any]:
+        try:
+            return GaussianWordMechanism(vocab(), sigma=sigma, delta=delta).report()
+        except PrivacyError as exc:
+            raise HTTPException(status_code=422, detail=str(exc)) from None
+
+    @api.post("/text/submit", summary="Receive perturbed text (vocabulary words only)")
+    def submit(body: Submission) -> dict[str, Any]:
+        if body.mechanism != "gaussian":
+            raise HTTPException(status_code=422, detail=f"unsupported mechanism {body.mechanism!r}")
+        if len(body.text.encode("utf-8")) > MAX_INPUT_BYTES:
+            raise HTTPException(status_code=413, detail="text over 20 MB")
+        v = vocab()
+        tokens = [w for line in lines_of_words(body.text) for w in line]
+        foreign = sum(1 for w in tokens if w not in v)
+        if foreign:
+            # Never echo the offending words back: they may be raw text.
+            raise HTTPException(
+                status_code=422,
+                detail=f"{foreign} token(s) are not vocabulary words: this is not perturbed text",
+            )
+        if on_submit is not None:
+            on_submit(body)
+        return {
+            "accepted": True,
+            "words": len(tokens),
+            "sha256": hashlib.sha256(body.text.encode("utf-8")).hexdigest(),
+        }
+
+    return api
+
+
+router = make_router()

@@ -1,0 +1,22 @@
+"""DP-SGD for PyTorch (extra ``torch``): ``PrivacyEngine`` with Opacus's ``make_private`` interface.
+
+Per-sample gradients are clipped in the same backward pass that computes them, by hooks on the
+user's module (no wrapper); Linear, Embedding and convolution layers use ghost norms where cheaper;
+noise once per logical step; Poisson sampling tied to the accountant; epsilon after every step.
+"""
+
+from __future__ import annotations
+
+from gaussdp.torch._clipper import PerSampleClipper
+from gaussdp.torch.data import DPDataLoader, PoissonBatchSampler, split_batch
+from gaussdp.torch.engine import PrivacyEngine
+from gaussdp.torch.optimizer import DPOptimizer
+
+__all__ = [
+    "DPDataLoader",
+    "DPOptimizer",
+    "PerSampleClipper",
+    "PoissonBatchSampler",
+    "PrivacyEngine",
+    "split_batch",
+]

@@ -1,0 +1,270 @@
+"""Per-sample clipping in one backward pass, by hooks on the user's own module (no wrapper).
+
+How it works (book-keeping, Bu et al. 2023, "Differentially private optimization on large model at
+small cost", ICML):
+
+1. While a module that owns trainable parameters runs forward, those parameters are switched to
+   ``requires_grad=False``: autograd then never computes their (unclipped, summed) gradient, which is
+   the work we would throw away. The module's input is kept, and a tensor hook on its output keeps
+   the output gradient when backward reaches it. When the input needs no gradient (a first layer),
+   the output is made to need one by adding a zero scalar that does.
+2. At the end of that backward pass (an autograd engine callback) every kept (input, output grad)
+   becomes a per-parameter *part* (:mod:`gaussdp.torch._parts`); the per-sample gradient norms over
+   all trainable parameters are summed from the parts, each sample's clip factor
+   ``min(1, C / ||g_i||)`` follows, and each parameter's clipped sum is one weighted matmul.
+3. Clipped sums accumulate over backward passes (micro-batches, each holding distinct samples) until
+   the optimizer step adds the noise once.
+
+A trainable parameter that receives an ordinary gradient (used outside the module owning it) cannot
+be clipped per sample: that fails closed with an error naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from gaussdp.errors import InvalidParameter, PrivacyError, UnsafeInput
+from gaussdp.torch._parts import Part, combine
+from gaussdp.torch._rules import owned_parameters, rule_for, vmap_parts
+
+__all__ = ["PerSampleClipper"]
+
+
+class _Call:
+    """One forward call of an owning module: its inputs and, after backward, its output gradients."""
+
+    __slots__ = ("args", "grads", "kwargs", "module", "used", "versions")
+
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict, n_out: int) -> None:
+        self.module, self.args, self.kwargs = module, args, kwargs
+        self.grads: list[torch.Tensor | None] = [None] * n_out
+        self.used = False
+        self.versions = _versions((args, kwargs))
+
+    def check_unmodified(self) -> None:
+        """The kept inputs must not have been changed in place since the forward call."""
+        if _versions((self.args, self.kwargs)) != self.versions:
+            raise UnsafeInput(
+                f"an input of {type(self.module).__name__} was modified in place after its forward "
+                "call; its per-sample gradients cannot be computed (use an out-of-place operation)"
+            )
+
+
+def _versions(tree: Any) -> list[int]:
+    return [t._version for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _detach(tree: Any) -> Any:
+    flat, spec = tree_flatten(tree)
+    return tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec)
+
+
+class PerSampleClipper:
+    """Hooks on ``module`` that leave, after each backward pass, the per-sample-clipped gradient sums.
+
+    Args:
+        module: the model; hooks are registered on its submodules, the module itself is unchanged.
+        max_grad_norm: clip bound ``C`` on each sample's gradient (all trainable parameters together).
+        loss_reduction: ``"mean"`` if the loss averages over the batch (the output gradients are then
+            rescaled by the batch size to recover each sample's gradient), ``"sum"`` otherwise.
+    """
+
+    def __init__(self, module: nn.Module, *, max_grad_norm: float, loss_reduction: str = "mean") -> None:
+        if loss_reduction not in ("mean", "sum"):
+            raise InvalidParameter(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self.module = module
+        self.max_grad_norm = float(max_grad_norm)
+        self.loss_reduction = loss_reduction
+        self.names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self._owned: dict[nn.Module, dict[str, nn.Parameter]] = {}
+        self._handles: list[Any] = []
+        self._calls: list[_Call] = []
+        self._enabled = True
+        self._queued = False
+        self._batch: int | None = None
+        self._anchor = torch.zeros((), requires_grad=True)
+        self.summed: dict[nn.Parameter, torch.Tensor] = {}
+        # the sums are kept multiplied by this (the optimizer sets 1 / expected batch size, which
+        # saves a pass over every gradient at each step)
+        self.sum_scale = 1.0
+        self.samples = 0  # samples clipped since the last reset (all micro-batches)
+        self.last_norms: torch.Tensor | None = None
+        self._register(module)
+
+    # ----------------------------------------------------------------------------------- hooks
+    def _register(self, root: nn.Module) -> None:
+        covered: set[int] = set()
+        skip: set[int] = set()
+        for _, m in root.named_modules(remove_duplicate=False):
+            if id(m) in skip or m in self._owned:
+                continue
+            if isinstance(m, nn.MultiheadAttention):
+                skip.update(id(s) for s in m.modules() if s is not m)
+            owned = dict(owned_parameters(m))
+            if not owned:
+                continue
+            covered.update(id(p) for p in owned.values())
+            self._owned[m] = owned
+            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+        missing = [self.names[id(p)] for p in self.params if id(p) not in covered]
+        if missing:  # pragma: no cover - every parameter belongs to some module
+            raise InvalidParameter(f"no module owns the trainable parameters {missing}")
+
+    def remove(self) -> None:
+        """Remove every hook; the module is exactly as before."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        old, self._enabled = self._enabled, False
+        try:
+            yield
+        finally:
+            self._enabled = old
+
+    def _active(self) -> bool:
+        return self._enabled and torch.is_grad_enabled()
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if not self._active():
+            return None
+        for p in self._owned[module].values():
+            p.requires_grad_(False)
+        # Position ids of shape (1, T) broadcast against a batch of B (Hugging Face GPT-2): the
+        # output gradient would arrive summed over the batch, so per-sample gradients would be lost.
+        # The lookup is made per sample instead (an expand, no copy), as if the ids were expanded.
+        if isinstance(module, nn.Embedding) and self._batch not in (None, 1) and args:
+            idx = args[0]
+            if isinstance(idx, torch.Tensor) and idx.dim() >= 1 and idx.shape[0] == 1:
+                return (idx.expand(self._batch, *idx.shape[1:]), *args[1:]), kwargs
+        return None
+
+    def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if not self._active():
+            return None
+        for p in self._owned[module].values():
+            p.requires_grad_(True)
+        flat, spec = tree_flatten(output)
+        call = _Call(module, _detach(args), _detach(kwargs), len(flat))
+        changed = False
+        for i, t in enumerate(flat):
+            if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+                continue
+            if not t.requires_grad:
+                t = t + self._anchor.to(t.dtype)
+                flat[i], changed = t, True
+            t.register_hook(self._grad_hook(call, i))
+        if not self._calls:  # the first call of a forward pass sets its batch size
+            first = next((t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)), None)
+            self._batch = int(first.shape[0]) if first is not None and first.dim() else None
+        self._calls.append(call)
+        return tree_unflatten(flat, spec) if changed else None
+
+    def _grad_hook(self, call: _Call, i: int) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            if call.used:
+                raise PrivacyError(
+                    "a second backward pass reached outputs whose samples were already clipped; "
+                    "each sample's gradient may be clipped once per step (sum the losses instead)"
+                )
+            call.grads[i] = grad.detach()
+            if not self._queued:
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+        return hook
+
+    # ------------------------------------------------------------------------------ processing
+    def _after_backward(self) -> None:
+        self._queued = False
+        done = [c for c in self._calls if any(g is not None for g in c.grads)]
+        self._calls = [c for c in self._calls if c not in done]
+        for c in done:
+            c.used = True
+        try:
+            self.check_no_plain_gradients()
+            if done:
+                self._clip(done)
+        finally:
+            for c in done:
+                c.args, c.kwargs, c.grads = (), {}, []
+
+    def check_no_plain_gradients(self) -> None:
+        """Fail closed if any trainable parameter got an ordinary (unclipped) ``.grad``."""
+        leaked = [self.names[id(p)] for p in self.params if p.grad is not None]
+        if leaked:
+            for p in self.params:
+                p.grad = None
+            raise PrivacyError(
+                f"trainable parameters {leaked} received gradients outside the forward of the module "
+                "that owns them, so they cannot be clipped per sample; nothing was accumulated"
+            )
+
+    def _parts(self, calls: list[_Call]) -> tuple[int, dict[nn.Parameter, Part]]:
+        by_param: dict[nn.Parameter, list[Part]] = {}
+        sizes = set()
+        for c in calls:
+            c.check_unmodified()
+            owned = self._owned[c.module]
+            rule = rule_for(c.module)
+            if rule is None:
+                pairs = vmap_parts(c.module, c.args, c.kwargs, c.grads, owned, self.disabled)
+            else:
+                pairs = rule(c.module, c.args, c.kwargs, c.grads, owned)
+            for p, part in pairs:
+                sizes.add(part.batch_size)
+                by_param.setdefault(p, []).append(part)
+        if len(sizes) > 1:
+            raise UnsafeInput(
+                f"layers saw different batch sizes {sorted(sizes)} in one backward pass; per-sample "
+                "clipping needs the batch in dimension 0 of every layer input (batch_first=True)"
+            )
+        b = sizes.pop() if sizes else 0
+        return b, {p: combine(parts) for p, parts in by_param.items()}
+
+    def _clip(self, calls: list[_Call]) -> None:
+        if all(g.dim() > 0 and g.shape[0] == 0 for c in calls for g in c.grads if g is not None):
+            return  # an empty (Poisson) batch contributes nothing; the step still adds noise
+        b, parts = self._parts(calls)
+        for c in calls:  # the parts now hold what is needed; let the rest be freed early
+            c.args, c.kwargs, c.grads = (), {}, []
+        if b == 0:
+            return
+        sq = None
+        for part in parts.values():
+            s = part.sq_norms()
+            sq = s if sq is None else sq + s.to(sq.dtype)
+        assert sq is not None
+        scale = float(b) if self.loss_reduction == "mean" else 1.0
+        norms = sq.sqrt() * scale
+        if not bool(torch.isfinite(norms).all()):
+            raise UnsafeInput("per-sample gradient norms contain NaN or Inf; nothing was accumulated")
+        # w_i = min(1, C / ||g_i||) times the undoing of the mean's 1/B; 1e-6 keeps ||w_i g_i|| <= C.
+        w = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0) * (scale * self.sum_scale)
+        # Each part is dropped once used, so what it stored is freed while the sums are allocated.
+        # Parts that free the most per byte of sum they allocate go first: lowest peak memory.
+        for p in sorted(parts, key=lambda q: -parts[q].stored() / q.numel()):
+            s = parts.pop(p).weighted_sum(w)
+            prev = self.summed.get(p)
+            if prev is None:
+                self.summed[p] = s
+            else:
+                prev.add_(s)
+        self.samples += b
+        self.last_norms = norms.detach()
+
+    def reset(self) -> None:
+        """Forget accumulated sums and pending calls (after an optimizer step)."""
+        self.summed = {}
+        self.samples = 0
+        self._calls = []

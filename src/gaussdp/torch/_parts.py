@@ -1,0 +1,224 @@
+"""What one module call contributes to the per-sample gradients of one parameter.
+
+A *part* knows three things about its contribution ``G_i`` (sample ``i``'s gradient of one parameter):
+its squared norms ``||G_i||^2`` for every sample, the weighted sum ``sum_i w_i G_i`` (the clipped
+gradient once the weights ``w_i = min(1, C / ||g_i||)`` are known) and, when needed, the per-sample
+gradients themselves. Linear and Embedding parts compute the first two without materialising ``G_i``
+when that is cheaper ("ghost" norms, Goodfellow 2015; Li et al. 2022; book-keeping, Bu et al. 2023).
+
+Norms are accumulated in at least float32 whatever the input dtype (bf16 and fp16 are upcast).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DensePart", "EmbeddingPart", "LinearPart", "StackedPart", "combine"]
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the accumulation dtype: float32 at least, float64 kept."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def _sq(t: torch.Tensor) -> torch.Tensor:
+    """Row-wise squared L2 norms of a 2-D tensor, without a squared copy of it."""
+    return torch.linalg.vector_norm(t, dim=1).square()
+
+
+class DensePart:
+    """A contribution given by its materialised per-sample gradients, shape ``(B, *param.shape)``."""
+
+    def __init__(self, per_sample: torch.Tensor, shape: torch.Size) -> None:
+        self.per_sample = _acc(per_sample)
+        self.shape = shape
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.per_sample.shape[0])
+
+    def stored(self) -> int:
+        return self.per_sample.numel()
+
+    def sq_norms(self) -> torch.Tensor:
+        return _sq(self.per_sample.flatten(1))
+
+    def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
+        return (w.to(self.per_sample.dtype) @ self.per_sample.flatten(1)).view(self.shape)
+
+    def materialise(self) -> torch.Tensor:
+        return self.per_sample
+
+
+class LinearPart:
+    """``G_i = sum_t g_it a_it^T`` for a linear map applied at ``T`` positions.
+
+    ``a`` is ``(B, T, in)`` (the layer input), ``g`` is ``(B, T, out)`` (the gradient of the layer
+    output). ``transposed`` is for weights stored as ``(in, out)`` (Hugging Face ``Conv1D``). The
+    squared norm is computed either by the Gram ("ghost") identity
+    ``||G_i||_F^2 = <a_i a_i^T, g_i g_i^T>_F`` at cost ``T^2 (in + out)`` per sample, or by building
+    ``G_i`` (cost ``T in out``, memory ``in out`` per sample), which then also gives the clipped sum
+    for free. The choice is made per layer by :meth:`materialises`.
+    """
+
+    def __init__(self, a: torch.Tensor, g: torch.Tensor, shape: torch.Size, transposed: bool = False):
+        if a.dim() == 2:
+            a, g = a.unsqueeze(1), g.unsqueeze(1)
+        self.a = a.reshape(a.shape[0], -1, a.shape[-1])
+        self.g = g.reshape(g.shape[0], -1, g.shape[-1])
+        self.shape = shape
+        self.transposed = transposed
+        self._ps: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.a.shape[0])
+
+    def stored(self) -> int:
+        return self.a.numel() + self.g.numel()
+
+    def materialises(self) -> bool:
+        """Cost model: build per-sample gradients iff cheaper in flops and no larger in memory.
+
+        Ghost norms cost ``T^2 (in + out)`` per sample plus a weighted matmul ``T in out`` for the sum;
+        materialising costs ``T in out`` (which replaces that matmul) plus ``2 in out``. Memory: the
+        per-sample gradients (``in out`` per sample) must not exceed what is already stored for the
+        layer (``T (in + out)``), so choosing them never raises peak memory by much.
+        """
+        t, d_in, d_out = self.a.shape[1], self.a.shape[2], self.g.shape[2]
+        if t == 1:
+            return False
+        return 2 * d_in * d_out < t * t * (d_in + d_out) and d_in * d_out <= t * (d_in + d_out)
+
+    def _per_sample(self) -> torch.Tensor:
+        if self._ps is None:
+            ps = torch.bmm(_acc(self.g).transpose(1, 2), _acc(self.a))  # (B, out, in)
+            self._ps = ps.transpose(1, 2) if self.transposed else ps
+        return self._ps
+
+    def sq_norms(self) -> torch.Tensor:
+        if self.a.shape[1] == 1:
+            return _sq(_acc(self.a[:, 0])) * _sq(_acc(self.g[:, 0]))
+        if self.materialises():
+            return _sq(self._per_sample().flatten(1))
+        a, g = _acc(self.a), _acc(self.g)
+        gram_a = torch.bmm(a, a.transpose(1, 2))
+        gram_g = torch.bmm(g, g.transpose(1, 2))
+        return (gram_a * gram_g).flatten(1).sum(1)
+
+    def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
+        if self._ps is not None:
+            return (w.to(self._ps.dtype) @ self._ps.flatten(1)).view(self.shape)
+        a, g = _acc(self.a), _acc(self.g)
+        w3 = w.to(g.dtype).view(-1, 1, 1)
+        if g.shape[-1] <= a.shape[-1]:  # scale the smaller operand: one temporary of that size
+            g = g * w3
+        else:
+            a = a * w3
+        a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+        out = a2.T @ g2 if self.transposed else g2.T @ a2
+        return out.view(self.shape)
+
+    def materialise(self) -> torch.Tensor:
+        return self._per_sample().reshape(self.batch_size, *self.shape)
+
+
+class EmbeddingPart:
+    """``G_i[v] = sum_{t: idx_it = v} g_it`` for an embedding lookup, rows ``padding_idx`` excluded.
+
+    Squared norms by summing ``g`` per (sample, token) pair (a sort over ``B T`` keys), never a
+    ``V x d`` gradient per sample and no ``T^2`` Gram matrix.
+    """
+
+    def __init__(self, idx: torch.Tensor, g: torch.Tensor, shape: torch.Size, padding_idx: int | None):
+        b = idx.shape[0]
+        idx = idx.reshape(b, -1)
+        g = g.reshape(b, -1, g.shape[-1])
+        self.b, self.shape = b, shape
+        sample = torch.arange(b, device=idx.device).unsqueeze(1).expand_as(idx)
+        keep = None if padding_idx is None else idx != padding_idx
+        idx, sample, g = idx.reshape(-1), sample.reshape(-1), g.reshape(-1, g.shape[-1])
+        if keep is not None:
+            keep = keep.reshape(-1)
+            idx, sample, g = idx[keep], sample[keep], g[keep]
+        self.idx, self.sample, self.g = idx, sample, _acc(g)
+
+    @property
+    def batch_size(self) -> int:
+        return self.b
+
+    def stored(self) -> int:
+        return self.g.numel()
+
+    def sq_norms(self) -> torch.Tensor:
+        keys = self.sample * self.shape[0] + self.idx
+        uniq, inverse = torch.unique(keys, return_inverse=True)
+        rows = torch.zeros(uniq.numel(), self.g.shape[1], dtype=self.g.dtype, device=self.g.device)
+        rows.index_add_(0, inverse, self.g)
+        out = torch.zeros(self.b, dtype=self.g.dtype, device=self.g.device)
+        return out.index_add_(0, uniq // self.shape[0], _sq(rows))
+
+    def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(self.shape, dtype=self.g.dtype, device=self.g.device)
+        return out.index_add_(0, self.idx, self.g * w.to(self.g.dtype)[self.sample].unsqueeze(1))
+
+    def materialise(self) -> torch.Tensor:
+        out = torch.zeros(self.b, *self.shape, dtype=self.g.dtype, device=self.g.device)
+        out.index_put_((self.sample, self.idx), self.g, accumulate=True)
+        return out
+
+
+class StackedPart:
+    """Parts for consecutive row blocks of one parameter (the packed q/k/v projection weight)."""
+
+    def __init__(self, blocks: list[LinearPart], shape: torch.Size) -> None:
+        self.blocks, self.shape = blocks, shape
+
+    @property
+    def batch_size(self) -> int:
+        return self.blocks[0].batch_size
+
+    def stored(self) -> int:
+        return sum(b.stored() for b in self.blocks)
+
+    def sq_norms(self) -> torch.Tensor:
+        return torch.stack([b.sq_norms() for b in self.blocks]).sum(0)
+
+    def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
+        return torch.cat([b.weighted_sum(w) for b in self.blocks]).view(self.shape)
+
+    def materialise(self) -> torch.Tensor:
+        return torch.cat([b.materialise() for b in self.blocks], dim=1).view(self.batch_size, *self.shape)
+
+
+Part = DensePart | LinearPart | EmbeddingPart | StackedPart
+
+
+def combine(parts: list[Part]) -> Part:
+    """One part for a parameter used by several calls (a layer reused, weights tied).
+
+    Several linear calls of the same weight are one linear map applied at more positions, so their
+    inputs are concatenated along the position axis (ghost norms stay exact, cross terms included);
+    the same for embedding lookups. Mixed kinds are materialised and summed per sample.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    if all(isinstance(p, LinearPart) for p in parts):
+        lin = [p for p in parts if isinstance(p, LinearPart)]
+        if all(p.transposed == lin[0].transposed for p in lin):
+            a = torch.cat([p.a for p in lin], dim=1)
+            g = torch.cat([p.g for p in lin], dim=1)
+            return LinearPart(a, g, first.shape, lin[0].transposed)
+    if all(isinstance(p, EmbeddingPart) for p in parts):
+        emb = [p for p in parts if isinstance(p, EmbeddingPart)]
+        out = EmbeddingPart.__new__(EmbeddingPart)
+        out.b, out.shape = emb[0].b, emb[0].shape
+        out.idx = torch.cat([p.idx for p in emb])
+        out.sample = torch.cat([p.sample for p in emb])
+        out.g = torch.cat([p.g for p in emb])
+        return out
+    total = parts[0].materialise().reshape(first.batch_size, *first.shape)
+    for p in parts[1:]:
+        total = total + p.materialise().reshape(first.batch_size, *first.shape)
+    return DensePart(total, first.shape)

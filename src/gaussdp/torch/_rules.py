@@ -1,0 +1,323 @@
+"""Per-layer rules: from a module call's stored input and output gradient to per-parameter parts.
+
+Each rule handles the parameters a module *owns* (``recurse=False``), except
+``nn.MultiheadAttention`` whose projection weights are read by ``F.multi_head_attention_forward``
+without calling ``out_proj``, so it owns every parameter under it. Layers without a closed-form rule
+(and unusual configurations of known ones) use :func:`vmap_parts`, which recomputes the module per
+sample with ``torch.func`` and materialises that module's per-sample gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from gaussdp.errors import UnsafeInput
+from gaussdp.torch._parts import DensePart, EmbeddingPart, LinearPart, Part, StackedPart
+
+__all__ = ["Rule", "owned_parameters", "rule_for"]
+
+Rule = Callable[[nn.Module, tuple, dict, list, dict], list[tuple[nn.Parameter, Part]]]
+
+
+def _trainable(module: nn.Module, recurse: bool) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in module.named_parameters(recurse=recurse) if p.requires_grad]
+
+
+def owned_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The trainable parameters whose per-sample gradients are computed at ``module``'s calls."""
+    return _trainable(module, recurse=isinstance(module, nn.MultiheadAttention))
+
+
+def _first_grad(grads: list) -> torch.Tensor | None:
+    return grads[0] if grads else None
+
+
+def _linear(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
+    x, g = args[0], grads[0]
+    if g is None:
+        return []
+    out: list[tuple[nn.Parameter, Part]] = []
+    transposed = not isinstance(module, nn.Linear)  # Hugging Face Conv1D stores (in, out)
+    if "weight" in owned:
+        out.append((owned["weight"], LinearPart(x, g, module.weight.shape, transposed)))
+    if "bias" in owned:
+        gb = g if g.dim() == 2 else g.reshape(g.shape[0], -1, g.shape[-1]).sum(1)  # a view when T=1
+        out.append((owned["bias"], DensePart(gb, module.bias.shape)))
+    return out
+
+
+def _embedding(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
+    g = grads[0]
+    if g is None or "weight" not in owned:
+        return []
+    idx = args[0]
+    return [(owned["weight"], EmbeddingPart(idx, g, module.weight.shape, module.padding_idx))]
+
+
+def _conv(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
+    x, g = args[0], grads[0]
+    if g is None:
+        return []
+    if isinstance(module, nn.Conv1d):
+        x, g = x.unsqueeze(2), g.unsqueeze(2)
+        k, d, p, s = (
+            (1, *module.kernel_size),
+            (1, *module.dilation),
+            (0, *module.padding),
+            (1, *module.stride),
+        )
+    else:
+        k, d, p, s = module.kernel_size, module.dilation, module.padding, module.stride
+    out: list[tuple[nn.Parameter, Part]] = []
+    g = g.flatten(2).transpose(1, 2)  # (B, L, out)
+    if "weight" in owned:
+        cols = F.unfold(x, k, dilation=d, padding=p, stride=s).transpose(1, 2)  # (B, L, in*k)
+        out.append((owned["weight"], LinearPart(cols, g, module.weight.shape)))
+    if "bias" in owned:
+        out.append((owned["bias"], DensePart(g.sum(1), module.bias.shape)))
+    return out
+
+
+def _norm_parts(owned, x_hat, g, n_feature_dims, w_shape, b_shape):  # type: ignore[no-untyped-def]
+    """Per-sample gradients of an elementwise affine ``y = w * x_hat + b`` (broadcast over the rest)."""
+    out: list[tuple[nn.Parameter, Part]] = []
+    b = g.shape[0]
+    if "weight" in owned:
+        ps = (x_hat.to(g.dtype) * g).reshape(b, -1, *w_shape).sum(1)
+        out.append((owned["weight"], DensePart(ps, w_shape)))
+    if "bias" in owned:
+        out.append((owned["bias"], DensePart(g.reshape(b, -1, *b_shape).sum(1), b_shape)))
+    return out
+
+
+def _layer_norm(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
+    x, g = args[0], grads[0]
+    if g is None:
+        return []
+    shape = tuple(module.normalized_shape)
+    if isinstance(module, nn.LayerNorm):
+        x_hat = F.layer_norm(x, shape, None, None, module.eps)
+    else:
+        x_hat = F.rms_norm(x, shape, None, module.eps)
+    return _norm_parts(owned, x_hat, g, len(shape), torch.Size(shape), torch.Size(shape))
+
+
+def _group_norm(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
+    x, g = args[0], grads[0]
+    if g is None:
+        return []
+    x_hat = F.group_norm(x, module.num_groups, None, None, module.eps)
+    b, c = x.shape[0], x.shape[1]
+    # move channels last so the generic reshape sums over spatial positions
+    x_hat = x_hat.reshape(b, c, -1).transpose(1, 2)
+    g = g.reshape(b, c, -1).transpose(1, 2)
+    return _norm_parts(owned, x_hat, g, 1, torch.Size((c,)), torch.Size((c,)))
+
+
+def vmap_parts(module, args, kwargs, grads, owned, disabled):  # type: ignore[no-untyped-def]
+    """Fallback: per-sample gradients of ``module``'s own parameters by ``torch.func`` (vjp in vmap).
+
+    Every tensor argument whose first dimension is the batch size is split per sample (and given
+    back a batch dimension of 1, so the module sees a batch); the others are shared. Dropout inside
+    the module draws fresh masks per sample; the result is still each sample's own gradient, so
+    clipping bounds its influence exactly as in the main pass.
+    """
+    from torch.func import functional_call, vjp, vmap
+
+    out_idx = [i for i, g in enumerate(grads) if g is not None]
+    if not out_idx:
+        return []
+    b = grads[out_idx[0]].shape[0]
+    names = list(owned)
+    params = {n: owned[n].detach() for n in names}
+    rest = {
+        n: t.detach() for n, t in [*module.named_parameters(), *module.named_buffers()] if n not in params
+    }
+    flat, spec = tree_flatten((args, kwargs))
+    batched = [isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == b for t in flat]
+    inputs = [t for t, bt in zip(flat, batched, strict=True) if bt]
+    g_list = [grads[i] for i in out_idx]
+
+    def one(inputs_i: list, g_i: list) -> Any:
+        it = iter(inputs_i)
+        full = [next(it).unsqueeze(0) if bt else t for t, bt in zip(flat, batched, strict=True)]
+        a, k = tree_unflatten(full, spec)
+
+        def f(p: dict) -> tuple:
+            leaves = tree_flatten(functional_call(module, {**rest, **p}, tuple(a), k))[0]
+            return tuple(leaves[i] for i in out_idx)
+
+        pullback = vjp(f, params)[1]
+        return pullback(tuple(gi.unsqueeze(0) for gi in g_i))[0]
+
+    with disabled():
+        per_sample = vmap(one, randomness="different")(inputs, g_list)
+    return [(owned[n], DensePart(per_sample[n], owned[n].shape)) for n in names]
+
+
+def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype).masked_fill_(mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def _mha_supported(module: nn.MultiheadAttention) -> bool:
+    return module.batch_first and module.bias_k is None and not module.add_zero_attn
+
+
+def _mha(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
+    """``nn.MultiheadAttention`` as is: its projections are linear maps, handled by ghost norms.
+
+    The attention core is recomputed from the kept inputs (one forward and backward of softmax
+    attention, no weight gradients) to get the gradients of the q/k/v projection outputs and the
+    input of the output projection; the four projections are then ordinary :class:`LinearPart`s.
+    Dropout inside attention (training with ``dropout > 0``) draws a fresh mask in the recomputation:
+    the result is still each sample's own gradient, so clipping bounds its influence all the same.
+    """
+    m: nn.MultiheadAttention = module
+    names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights")
+    bound = dict(zip(names, args, strict=False))
+    bound.update(kwargs)
+    q_in, k_in, v_in = bound["query"], bound["key"], bound["value"]
+    g_out = grads[0]
+    g_w = grads[1] if len(grads) > 1 else None
+    if g_out is None and g_w is None:
+        return []
+    if q_in.dim() != 3:
+        raise UnsafeInput("nn.MultiheadAttention got an unbatched input; per-sample clipping needs a batch")
+    b, tgt, e = q_in.shape
+    src, h = k_in.shape[1], m.num_heads
+    hd = e // h
+    dtype = torch.promote_types(q_in.dtype, torch.float32)
+    if m._qkv_same_embed_dim:
+        w_q, w_k, w_v = m.in_proj_weight.detach().chunk(3)
+    else:
+        w_q, w_k, w_v = (m.q_proj_weight.detach(), m.k_proj_weight.detach(), m.v_proj_weight.detach())
+    b_q = b_k = b_v = None
+    if m.in_proj_bias is not None:
+        b_q, b_k, b_v = m.in_proj_bias.detach().chunk(3)
+    w_o, b_o = m.out_proj.weight.detach(), m.out_proj.bias
+    mask = _float_mask(bound.get("attn_mask"), dtype)
+    if mask is not None:
+        mask = mask.view(b, h, tgt, src) if mask.dim() == 3 else mask.view(1, 1, tgt, src)
+    kpm = _float_mask(bound.get("key_padding_mask"), dtype)
+    if kpm is not None:
+        kpm = kpm.view(b, 1, 1, src)
+        mask = kpm if mask is None else mask + kpm
+    want_w = g_w is not None and bound.get("need_weights", True)
+    o = torch.empty(b, tgt, e, dtype=q_in.dtype)
+    if tgt == src:  # q/k/v gradients side by side: the packed projection's output gradient
+        g_qkv = torch.zeros(b, tgt, 3 * e, dtype=q_in.dtype)
+        gq, gk, gv = g_qkv.split(e, dim=-1)
+    else:
+        g_qkv = None
+        gq = torch.zeros(b, tgt, e, dtype=q_in.dtype)
+        gk = torch.zeros(b, src, e, dtype=k_in.dtype)
+        gv = torch.zeros(b, src, e, dtype=v_in.dtype)
+    # the recomputation is done in batch chunks so its temporaries (scores: h*tgt*src per sample)
+    # stay around 2**18 elements whatever the batch size
+    step = max(1, (1 << 18) // max(1, h * tgt * src))
+    for lo in range(0, b, step):
+        sl = slice(lo, min(b, lo + step))
+        n = sl.stop - lo
+        with torch.enable_grad():
+            q = F.linear(q_in[sl], w_q, b_q).requires_grad_()
+            k = F.linear(k_in[sl], w_k, b_k).requires_grad_()
+            v = F.linear(v_in[sl], w_v, b_v).requires_grad_()
+            qh = q.view(n, tgt, h, hd).transpose(1, 2)
+            kh = k.view(n, src, h, hd).transpose(1, 2)
+            vh = v.view(n, src, h, hd).transpose(1, 2)
+            scores = (qh * hd**-0.5) @ kh.transpose(-2, -1)
+            if mask is not None:
+                scores = scores + (mask[sl] if mask.shape[0] == b else mask)
+            attn = torch.softmax(scores, dim=-1)
+            if m.training and m.dropout > 0:
+                attn = F.dropout(attn, m.dropout)
+            oc = (attn @ vh).transpose(1, 2).reshape(n, tgt, e)
+            outs, gs = [], []
+            if g_out is not None:
+                outs.append(oc)
+                gs.append(g_out[sl] @ w_o.to(g_out.dtype))  # gradient at the output projection's input
+            if want_w and g_w is not None:
+                outs.append(attn.mean(1) if bound.get("average_attn_weights", True) else attn)
+                gs.append(g_w[sl])
+            grads_qkv = torch.autograd.grad(outs, (q, k, v), gs, allow_unused=True)
+        o[sl] = oc.detach()
+        for dst, gt in zip((gq, gk, gv), grads_qkv, strict=True):
+            if gt is not None:
+                dst[sl] = gt
+    out: list[tuple[nn.Parameter, Part]] = []
+    if "in_proj_weight" in owned:
+        same = q_in.shape == k_in.shape == v_in.shape and bool(
+            torch.equal(q_in, k_in) and torch.equal(k_in, v_in)
+        )
+        if same:  # self-attention: one linear map from x to [q, k, v]
+            g_cat = g_qkv if g_qkv is not None else torch.cat((gq, gk, gv), dim=-1)
+            part: Part = LinearPart(q_in, g_cat, m.in_proj_weight.shape)
+        else:
+            part = StackedPart(
+                [
+                    LinearPart(x, gx, w.shape)
+                    for x, gx, w in ((q_in, gq, w_q), (k_in, gk, w_k), (v_in, gv, w_v))
+                ],
+                m.in_proj_weight.shape,
+            )
+        out.append((owned["in_proj_weight"], part))
+    for name, x, gx in (
+        ("q_proj_weight", q_in, gq),
+        ("k_proj_weight", k_in, gk),
+        ("v_proj_weight", v_in, gv),
+    ):
+        if name in owned:
+            out.append((owned[name], LinearPart(x, gx, owned[name].shape)))
+    if "in_proj_bias" in owned:
+        gb = torch.cat((gq.sum(1), gk.sum(1), gv.sum(1)), dim=-1)
+        out.append((owned["in_proj_bias"], DensePart(gb, m.in_proj_bias.shape)))
+    if g_out is not None and "out_proj.weight" in owned:
+        out.append((owned["out_proj.weight"], LinearPart(o.to(dtype), g_out, w_o.shape)))
+    if g_out is not None and b_o is not None and "out_proj.bias" in owned:
+        out.append((owned["out_proj.bias"], DensePart(g_out.sum(1), b_o.shape)))
+    return out
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
+
+
+def rule_for(module: nn.Module) -> Rule | None:
+    """The closed-form rule for ``module``, or None for the vmap fallback."""
+    if isinstance(module, nn.Linear) or _is_hf_conv1d(module):
+        return _linear
+    if isinstance(module, nn.Embedding):
+        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+            return None
+        return _embedding
+    if isinstance(module, nn.Conv1d | nn.Conv2d):
+        if module.groups != 1 or isinstance(module.padding, str) or module.padding_mode != "zeros":
+            return None
+        return _conv
+    if isinstance(module, nn.LayerNorm | nn.RMSNorm):
+        return _layer_norm
+    if isinstance(module, nn.GroupNorm):
+        return _group_norm
+    if isinstance(module, nn.MultiheadAttention):
+        if not module.batch_first:
+            return _refuse_batch_second
+        return _mha if _mha_supported(module) else None
+    return None
+
+
+def _refuse_batch_second(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
+    raise UnsafeInput(
+        f"{type(module).__name__}(batch_first=False) puts the batch in dimension 1; per-sample "
+        "clipping needs batch_first=True"
+    )

@@ -1,0 +1,239 @@
+"""``PrivacyEngine``: the Opacus-shaped entry point of DP-SGD in PyTorch.
+
+Guarantee: (epsilon, delta)-DP of the trained parameters (and of everything computed from the noisy
+gradients) with respect to adding or removing one record of the training set, when batches come
+from the Poisson data loader the engine returns. Each ``optimizer.step()`` is one
+``SubsampledGaussianEvent(noise_multiplier, sample_rate)``; :meth:`PrivacyEngine.get_epsilon`
+composes them with the chosen accountant (PLD by default, tight).
+
+References:
+    Abadi et al. 2016, "Deep learning with differential privacy" (DP-SGD).
+    Bu et al. 2023, "Differentially private optimization on large model at small cost" (book-keeping).
+    Doroshenko et al. 2022, "Connect the dots: tighter discrete approximations of privacy loss
+    distributions" (PLD accounting, in ``gaussdp.accounting``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from gaussdp._validate import check_delta, check_epsilon, check_positive, real_number
+from gaussdp.errors import InvalidParameter, NotPrivateWarning, PrivacyWarning
+from gaussdp.torch._clipper import PerSampleClipper
+from gaussdp.torch._random import torch_generator
+from gaussdp.torch.data import DPDataLoader
+from gaussdp.torch.optimizer import DPOptimizer, _distributed
+
+__all__ = ["PrivacyEngine"]
+
+
+class PrivacyEngine:
+    """Makes a module, optimizer and data loader private; keeps the privacy ledger of the run.
+
+    Args:
+        accountant: name for ``gaussdp.accounting.accountant`` ("pld" default, "rdp", "gdp", ...).
+        noise: "fast" (default): ``torch.randn`` from a ``torch.Generator`` seeded with 63 bits from
+            the OS CSPRNG (``secrets``), as the core's "fast" torch path; "secure": normals from
+            ``gaussdp.noise.noise_source("secure")`` (a CSPRNG keystream; several times slower).
+            Neither is floating-point safe; DP-SGD gradients are not released bit-exactly anyway.
+        seed: fixes sampling and noise (for experiments only: NOT private, warned).
+
+    Example::
+
+        engine = PrivacyEngine()
+        model, optimizer, loader = engine.make_private(
+            module=model, optimizer=optimizer, data_loader=loader,
+            noise_multiplier=1.0, max_grad_norm=1.0)
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+            print(engine.get_epsilon(1e-5))
+    """
+
+    def __init__(self, accountant: str = "pld", *, noise: str = "fast", seed: int | None = None) -> None:
+        from gaussdp.accounting import accountant as make_accountant
+
+        if noise not in ("fast", "secure"):
+            raise InvalidParameter(f"noise must be 'fast' or 'secure', got noise={noise!r}")
+        self.noise = noise
+        self.accountant_name = accountant
+        self.accountant = make_accountant(accountant)
+        self.seed = seed
+        self.steps = 0
+        self.noise_multiplier: float | None = None
+        self.sample_rate: float | None = None
+        self.clipper: PerSampleClipper | None = None
+
+    # ------------------------------------------------------------------------------------ API
+    def make_private(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: Optimizer,
+        data_loader: DataLoader,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        poisson_sampling: bool = True,
+        loss_reduction: str = "mean",
+        batch_first: bool = True,
+        **_opacus_only: Any,
+    ) -> tuple[nn.Module, DPOptimizer, DataLoader]:
+        """Hooks on ``module`` (returned unchanged), a DP optimizer and a Poisson data loader.
+
+        Args:
+            module: the model. Not wrapped: its class, ``state_dict`` keys and methods such as
+                Hugging Face ``generate()`` are untouched; hooks are added to its submodules.
+            optimizer: over the trainable (``requires_grad``) parameters; frozen ones are ignored.
+            data_loader: its dataset and collate function are reused; its batch size ``b`` sets the
+                sample rate ``q = 1 / len(data_loader)`` (about ``b / N``).
+            noise_multiplier: ``sigma >= 0``; noise std on the clipped sum is ``sigma * max_grad_norm``.
+            max_grad_norm: per-sample clip bound ``C > 0`` over all trainable parameters.
+            poisson_sampling: True (the accountant's assumption). False keeps the user's loader and
+                warns: the epsilon reported is then not a proven bound.
+            loss_reduction: "mean" (default) or "sum", how the loss combines the batch.
+            batch_first: must be True: the batch is dimension 0 of every layer input.
+            grad_sample_mode: accepted for Opacus compatibility and ignored (gaussdp picks per
+                layer between ghost norms and per-sample gradients); other Opacus-only
+                arguments are refused with TypeError.
+
+        Returns:
+            ``(module, optimizer, data_loader)``.
+        """
+        unsupported = sorted(set(_opacus_only) - {"grad_sample_mode"})
+        if unsupported:  # never ignore an option that would change what the user expects
+            raise TypeError(f"make_private() got unsupported arguments {unsupported}")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            raise TypeError(
+                "pass the unwrapped module: gaussdp all-reduces the clipped sums itself in step()"
+            )
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not batch_first:
+            raise InvalidParameter("batch_first=False is not supported: put the batch in dimension 0")
+        sigma = real_number("noise_multiplier", noise_multiplier)
+        if sigma < 0:
+            raise InvalidParameter(f"noise_multiplier must be >= 0, got noise_multiplier={sigma}")
+        clip = check_positive("max_grad_norm", max_grad_norm)
+        if self.clipper is not None:
+            raise InvalidParameter("this PrivacyEngine already made a model private; use a new engine")
+        if not any(p.requires_grad for p in module.parameters()):
+            raise InvalidParameter("module has no trainable parameters (requires_grad=True)")
+        if sigma == 0:
+            warnings.warn("noise_multiplier=0: training is NOT private", NotPrivateWarning, stacklevel=2)
+
+        rank, world = _distributed()
+        if poisson_sampling:
+            loader: Any = DPDataLoader.from_data_loader(
+                data_loader,
+                generator=torch_generator(
+                    None if self.seed is None else self.seed + 2 * rank, "Poisson sampling"
+                ),
+                rank=rank,
+                world_size=world,
+            )
+            sample_rate, expected = loader.sample_rate, loader.expected_batch_size
+        else:
+            warnings.warn(
+                "poisson_sampling=False: the accountant assumes Poisson sampling, so the epsilon it "
+                "reports is not a proven bound for this loader",
+                PrivacyWarning,
+                stacklevel=2,
+            )
+            loader = data_loader
+            sample_rate = 1.0 / len(data_loader)
+            expected = float(data_loader.batch_size or 1) * world
+        clipper = PerSampleClipper(module, max_grad_norm=clip, loss_reduction=loss_reduction)
+        noise_seed = None if self.seed is None else self.seed + 2 * rank + 1
+        try:
+            dp_optimizer = DPOptimizer(
+                optimizer,
+                clipper=clipper,
+                noise_multiplier=sigma,
+                expected_batch_size=expected,
+                generator=self._noise_generator(noise_seed),
+                on_step=self._charge,
+                loader=loader if poisson_sampling else None,
+            )
+        except BaseException:
+            clipper.remove()  # refused: leave the module exactly as it was given
+            raise
+        self.clipper = clipper
+        self.noise_multiplier, self.sample_rate = sigma, sample_rate
+        return module, dp_optimizer, loader
+
+    def make_private_with_epsilon(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: Optimizer,
+        data_loader: DataLoader,
+        target_epsilon: float,
+        target_delta: float,
+        epochs: int,
+        max_grad_norm: float,
+        **kwargs: Any,
+    ) -> tuple[nn.Module, DPOptimizer, DataLoader]:
+        """As :meth:`make_private`, with the smallest noise that keeps ``epochs`` epochs within
+        ``(target_epsilon, target_delta)`` under this engine's accountant."""
+        from gaussdp.accounting import noise_for_epsilon
+
+        eps = check_epsilon(target_epsilon, "target_epsilon")
+        delta = check_delta(target_delta, "target_delta")
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs <= 0:
+            raise InvalidParameter(f"epochs must be a positive int, got epochs={epochs!r}")
+        steps_per_epoch = len(data_loader)
+        if steps_per_epoch == 0:
+            raise InvalidParameter("data_loader is empty")
+        sigma = noise_for_epsilon(
+            target_epsilon=eps,
+            delta=delta,
+            sample_rate=1.0 / steps_per_epoch,
+            steps=epochs * steps_per_epoch,
+            accountant=self.accountant_name,
+        )
+        self.target_delta = delta
+        return self.make_private(
+            module=module,
+            optimizer=optimizer,
+            data_loader=data_loader,
+            noise_multiplier=sigma,
+            max_grad_norm=max_grad_norm,
+            **kwargs,
+        )
+
+    def get_epsilon(self, delta: float) -> float:
+        """epsilon spent so far at ``delta`` (0 before the first step; inf without noise)."""
+        delta = check_delta(delta)
+        if self.steps == 0:
+            return 0.0
+        if not self.noise_multiplier:
+            return float("inf")
+        return float(self.accountant.epsilon(delta))
+
+    def detach(self) -> None:
+        """Remove the hooks from the module (it is then an ordinary, non-private model again)."""
+        if self.clipper is not None:
+            self.clipper.remove()
+
+    # ------------------------------------------------------------------------------- internals
+    def _noise_generator(self, seed: int | None) -> Any:
+        if self.noise == "secure" and seed is None:
+            from gaussdp.noise import noise_source
+
+            return noise_source("secure")
+        return torch_generator(seed, "gradient noise")
+
+    def _charge(self) -> None:
+        from gaussdp.accounting import SubsampledGaussianEvent
+
+        assert self.noise_multiplier is not None and self.sample_rate is not None
+        if self.noise_multiplier > 0:
+            self.accountant.compose(SubsampledGaussianEvent(self.noise_multiplier, self.sample_rate))
+        self.steps += 1

@@ -1,0 +1,214 @@
+"""The DP optimizer: clipped sums (from the hooks) + Gaussian noise once per logical step, then the
+user's optimizer.
+
+One call of :meth:`DPOptimizer.step` is one release of the subsampled Gaussian mechanism: it is
+charged to the accountant *before* the noisy gradient is written, then the noisy sum is divided by
+the *expected* batch size ``q N`` (fixed denominator: dividing by the realised Poisson batch size
+would leak it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from gaussdp.errors import InvalidParameter, UnsafeInput
+from gaussdp.torch._clipper import PerSampleClipper
+
+__all__ = ["DPOptimizer"]
+
+
+class DPOptimizer(Optimizer):
+    """Wraps ``optimizer``; behaves like it (param groups, state, schedulers) with private steps.
+
+    Args:
+        optimizer: the user's optimizer over (at least) the module's trainable parameters.
+        clipper: the hooks that leave per-sample-clipped sums after each backward pass.
+        noise_multiplier: ``sigma``; the noise standard deviation on the sum is ``sigma * C``.
+        expected_batch_size: ``q N``, the denominator of the average (all ranks together).
+        generator: source of the noise: a ``torch.Generator`` (OS-entropy seeded by default, see
+            ``gaussdp.torch._random``) or a :class:`gaussdp.noise.NoiseSource` (e.g. "secure").
+        on_step: called before anything is released, to charge the accountant.
+        loader: the Poisson data loader, to check every served sample was clipped as one row.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        clipper: PerSampleClipper,
+        noise_multiplier: float,
+        expected_batch_size: float,
+        generator: Any,
+        on_step: Callable[[], None],
+        loader: Any = None,
+        check_moved: bool = True,
+    ) -> None:
+        # no super().__init__: param_groups and state are the wrapped optimizer's (as in Opacus)
+        self.original_optimizer = optimizer
+        self.clipper = clipper
+        self.noise_multiplier = float(noise_multiplier)
+        self.max_grad_norm = clipper.max_grad_norm
+        self.expected_batch_size = float(expected_batch_size)
+        self.generator = generator
+        self._on_step = on_step
+        self._loader = loader
+        self._served_at_last_step = loader.samples_served if loader is not None else 0
+        self._batches_at_last_step = loader.batches_served if loader is not None else 0
+        self._check_moved = check_moved
+        self.steps = 0
+        self._step_hooks: Any = {}
+        in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        missing = [clipper.names[id(p)] for p in clipper.params if id(p) not in in_opt]
+        if missing:
+            raise InvalidParameter(
+                f"trainable parameters {missing} are not in the optimizer: they would be clipped and "
+                "noised but never trained; freeze them (requires_grad_(False)) or add them"
+            )
+        self.params = [p for p in clipper.params]
+        clipper.sum_scale = 1.0 / self.expected_batch_size  # sums arrive already averaged
+
+    # delegation so that schedulers and checkpoints see the user's optimizer
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.original_optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.original_optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.original_optimizer.defaults
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"DPOptimizer({self.original_optimizer!r}, noise_multiplier={self.noise_multiplier})"
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the clipped sums of a step not taken; gradients are always set to None."""
+        self.clipper.reset()
+        for p in self.params:
+            p.grad = None
+        self.original_optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def summed_grads(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        """Copies of the clipped per-sample gradient sums accumulated since the last step (no noise)."""
+        return {p: s * self.expected_batch_size for p, s in self.clipper.summed.items()}
+
+    def _check_samples(self) -> None:
+        if self._loader is None:
+            return
+        batches = self._loader.batches_served - self._batches_at_last_step
+        if batches > 1:
+            raise UnsafeInput(
+                f"{batches} Poisson batches were used for one step: each step must use one batch "
+                "(the accountant charges one subsampled release per step, and a record drawn twice "
+                "would count twice). For large batches use gaussdp.torch.split_batch on one batch"
+            )
+        served = self._loader.samples_served - self._served_at_last_step
+        if served != self.clipper.samples:
+            raise UnsafeInput(
+                f"the data loader served {served} samples since the last step but {self.clipper.samples} "
+                "rows were clipped: every sample must be one row of dimension 0 of each layer input "
+                "(batch_first) and pass through backward once before step(); nothing was released"
+            )
+
+    def _standard_normal(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(self.generator, torch.Generator):
+            return torch.randn(n, generator=self.generator, dtype=dtype)
+        np_dtype = "float32" if dtype == torch.float32 else "float64"
+        return torch.from_numpy(self.generator.standard_normal(n, dtype=np_dtype)).to(dtype)
+
+    def _noisy_sums(self) -> list[torch.Tensor]:
+        """Averaged clipped sums plus N(0, (sigma C / qN)^2) per coordinate."""
+        std = self.noise_multiplier * self.max_grad_norm / self.expected_batch_size
+        add_noise = std > 0 and _adds_noise()
+        out = []
+        for p in self.params:
+            s = self.clipper.summed.get(p)
+            dtype = s.dtype if s is not None else torch.promote_types(p.dtype, torch.float32)
+            if s is None:
+                s = torch.zeros(p.shape, dtype=dtype)
+            if add_noise:
+                # in place and in chunks: the noise never needs a second full-size copy of the sum
+                flat = s.view(-1)
+                step = max(1 << 18, flat.numel() // 16)
+                for lo in range(0, flat.numel(), step):
+                    part = flat[lo : lo + step]
+                    part.add_(self._standard_normal(part.numel(), dtype), alpha=std)
+            out.append(s)
+        return out
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Charge one subsampled-Gaussian release, write noisy averaged gradients, take the step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.clipper.check_no_plain_gradients()
+        self._check_samples()
+        self._on_step()  # charge before release
+        noisy = self._noisy_sums()
+        _all_reduce(noisy)
+        for p, s in zip(self.params, noisy, strict=True):
+            p.grad = s.to(p.dtype)  # already divided by the expected batch size
+        before = None
+        if self._check_moved and self.steps == 0 and _moves(self.original_optimizer):
+            before = [p.detach().clone() for p in self.params]
+        self.original_optimizer.step()
+        if before is not None and not any(
+            not torch.equal(b, p.detach()) for b, p in zip(before, self.params, strict=True)
+        ):
+            raise RuntimeError(
+                "no trainable parameter changed in the first private step: check that the trainable "
+                "parameters (e.g. LoRA adapters) are the ones in the optimizer"
+            )
+        self.steps += 1
+        self.clipper.reset()
+        if self._loader is not None:
+            self._served_at_last_step = self._loader.samples_served
+            self._batches_at_last_step = self._loader.batches_served
+        for p in self.params:
+            p.grad = None
+        return loss
+
+
+def _moves(optimizer: Optimizer) -> bool:
+    return all(float(g.get("lr", 1.0)) > 0 for g in optimizer.param_groups)
+
+
+def _distributed() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _adds_noise() -> bool:
+    """In a distributed run only rank 0 adds the noise, so the all-reduced sum carries it once."""
+    return _distributed()[0] == 0
+
+
+def _all_reduce(tensors: list[torch.Tensor]) -> None:
+    if _distributed()[1] == 1 or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n

@@ -1,0 +1,283 @@
+"""PrivacyEngine: Opacus-shaped API, accounting after every step, Poisson batches, noise level."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from gaussdp import accounting  # noqa: E402
+from gaussdp.errors import InvalidParameter, NotPrivateWarning, UnsafeInput  # noqa: E402
+from gaussdp.torch import DPDataLoader, PrivacyEngine, split_batch  # noqa: E402
+
+
+def _data(n=64, d=6, classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    y = torch.randint(0, classes, (n,), generator=g)
+    return TensorDataset(x, y)
+
+
+def _setup(sigma=1.0, clip=1.0, batch_size=16, lr=0.1, seed=None, n=64):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    engine = PrivacyEngine(seed=seed)
+    loader = DataLoader(_data(n), batch_size=batch_size)
+    m, o, dl = engine.make_private(
+        module=model, optimizer=opt, data_loader=loader, noise_multiplier=sigma, max_grad_norm=clip
+    )
+    return engine, m, o, dl
+
+
+def test_make_private_keeps_module_and_charges_every_step():
+    engine, model, opt, loader = _setup(sigma=1.1)
+    assert type(model) is nn.Sequential
+    assert list(model.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert isinstance(loader, DPDataLoader)
+    assert loader.sample_rate == pytest.approx(16 / 64)
+    assert engine.get_epsilon(1e-5) == 0.0
+    for k, (x, y) in enumerate(loader, start=1):
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        ref = accounting.accountant("pld").compose(
+            accounting.SubsampledGaussianEvent(1.1, loader.sample_rate), count=k
+        )
+        assert engine.get_epsilon(1e-5) == pytest.approx(ref.epsilon(1e-5), rel=1e-9)
+    assert engine.steps == len(loader)
+    prev = engine.get_epsilon(1e-5)
+    assert prev > 0 and math.isfinite(prev)
+
+
+def test_empty_poisson_batches_and_fixed_denominator():
+    torch.manual_seed(0)
+    ds = _data(n=40)
+    loader = DPDataLoader(ds, sample_rate=0.02, steps=30, generator=torch.Generator().manual_seed(3))
+    sizes = [len(x) for x, _ in loader]
+    assert 0 in sizes and max(sizes) > 0  # empty batches do occur at this rate
+    x, y = next((x, y) for x, y in loader if len(x) == 0)
+    model = nn.Linear(6, 3)
+    with pytest.warns(NotPrivateWarning):
+        engine = PrivacyEngine(seed=1)
+        _, opt, _dl = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(ds, batch_size=4),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+    before = model.weight.detach().clone()
+    nn.functional.cross_entropy(model(x), y).backward()  # an empty batch: mean loss is NaN, grads empty
+    opt.step()
+    # the step still happens (noise only) and is charged
+    assert engine.steps == 1 and not torch.equal(before, model.weight)
+    assert torch.isfinite(model.weight).all()
+
+
+def test_virtual_batches_equal_one_batch_and_divide_by_expected_size():
+    ds = _data(n=48)
+    updates = []
+    for physical in (None, 5):
+        with pytest.warns(NotPrivateWarning):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+            start = [p.detach().clone() for p in model.parameters()]
+            engine = PrivacyEngine(seed=5)
+            _, opt, dl = engine.make_private(
+                module=model,
+                optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                data_loader=DataLoader(ds, batch_size=12),
+                noise_multiplier=0.0,
+                max_grad_norm=0.3,
+            )
+        x, y = next(iter(dl))
+        assert len(x) > 5
+        for xb, yb in split_batch((x, y), physical or len(x)):
+            nn.functional.cross_entropy(model(xb), yb).backward()
+        summed = [opt.summed_grads[p].clone() for p in model.parameters()]
+        opt.step()
+        update = [s - p.detach() for s, p in zip(start, model.parameters(), strict=True)]
+        for u, s in zip(update, summed, strict=True):
+            torch.testing.assert_close(u, s / dl.expected_batch_size)  # fixed denominator q*N = 12
+        updates.append(update)
+    for a, b in zip(*updates, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_noise_level():
+    """Noise std sigma*C/(qN) per coordinate. 5-sigma bounds on the sample std and mean: false-alarm
+    rate about 1.1e-6 for this fixed seed's distribution (two two-sided normal tails at 5 SE)."""
+    sigma, clip = 2.0, 0.5
+    model = nn.Linear(100, 100)
+    with pytest.warns(NotPrivateWarning):
+        engine = PrivacyEngine(seed=11)
+        _, opt, dl = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(TensorDataset(torch.randn(40, 100)), batch_size=8),
+            noise_multiplier=sigma,
+            max_grad_norm=clip,
+        )
+    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    opt.step()  # no samples: the update is pure noise
+    noise = (before - torch.cat([p.detach().reshape(-1) for p in model.parameters()])).double()
+    n = noise.numel()
+    expected = sigma * clip / dl.expected_batch_size
+    se_std = 1 / math.sqrt(2 * n)
+    assert abs(float(noise.std()) / expected - 1) < 5 * se_std
+    assert abs(float(noise.mean())) < 5 * expected / math.sqrt(n)
+
+
+def test_trainable_parameters_missing_from_optimizer_refused():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    with pytest.raises(InvalidParameter, match=r"1\.weight"):
+        PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model[0].parameters(), lr=0.1),
+            data_loader=DataLoader(_data(8, 3), batch_size=4),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+    model(torch.randn(2, 3)).sum().backward()  # no hooks were left behind
+    assert model[1].weight.grad is not None
+
+
+def test_step_that_moves_nothing_is_reported():
+    model = nn.Linear(6, 3)
+    with pytest.warns(NotPrivateWarning):
+        _, opt, _ = PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_data(16), batch_size=4),
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+        )
+    with pytest.raises(RuntimeError, match="no trainable parameter changed"):
+        opt.step()
+
+
+def test_batch_not_in_dimension_zero_fails_closed():
+    ds = TensorDataset(torch.randn(64, 5, 4))
+    model = nn.Linear(4, 2)
+    engine = PrivacyEngine()
+    _, opt, dl = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(ds, batch_size=16),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
+    for (x,) in dl:
+        if len(x) not in (0, 5):
+            break
+    model(x.transpose(0, 1)).sum().backward()  # (T, B, E): Linear sees T as the batch
+    with pytest.raises(UnsafeInput, match="batch_first"):
+        opt.step()
+    assert engine.steps == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"noise_multiplier": -1.0}, "noise_multiplier"),
+        ({"max_grad_norm": 0.0}, "max_grad_norm"),
+        ({"max_grad_norm": float("nan")}, "max_grad_norm"),
+    ],
+)
+def test_bad_parameters_named(kwargs, match):
+    model = nn.Linear(6, 3)
+    args = {"noise_multiplier": 1.0, "max_grad_norm": 1.0, **kwargs}
+    with pytest.raises(InvalidParameter, match=match):
+        PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_data(16), batch_size=4),
+            **args,
+        )
+
+
+@pytest.mark.skipif(
+    not hasattr(accounting, "noise_for_epsilon"), reason="gaussdp.accounting.noise_for_epsilon not there yet"
+)
+def test_make_private_with_epsilon_reaches_target():
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    engine = PrivacyEngine()
+    _, opt, dl = engine.make_private_with_epsilon(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_data(64), batch_size=16),
+        target_epsilon=2.0,
+        target_delta=1e-5,
+        epochs=3,
+        max_grad_norm=1.0,
+    )
+    for _ in range(3):
+        for x, y in dl:
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    eps = engine.get_epsilon(1e-5)
+    assert 1.9 < eps <= 2.0 * (1 + 1e-6)
+
+
+def test_two_poisson_batches_in_one_step_refused():
+    engine, model, opt, loader = _setup(sigma=1.0)
+    it = iter(loader)
+    used = 0
+    while used < 2:
+        x, y = next(it)
+        if len(x):
+            nn.functional.cross_entropy(model(x), y).backward()
+            used += 1
+    with pytest.raises(UnsafeInput, match="one batch"):
+        opt.step()
+    assert engine.steps == 0
+
+
+def test_poisson_sampling_rate():
+    """Total draws over 200 steps ~ Binomial(200 * 500, 0.1): mean 10000, sd 94.9. Bound 5 sd: false
+    alarm about 6e-7. Each batch has no repeated index."""
+    sampler = DPDataLoader(_data(500), sample_rate=0.1, steps=200).batch_sampler_
+    batches = list(sampler)
+    assert all(len(set(b)) == len(b) for b in batches)
+    total = sum(len(b) for b in batches)
+    assert abs(total - 10000) < 5 * math.sqrt(200 * 500 * 0.1 * 0.9)
+
+
+def test_secure_noise_source_level():
+    """As test_noise_level with the CSPRNG source: 5-SE bound on the std, false alarm ~6e-7."""
+    model = nn.Linear(60, 50)
+    engine = PrivacyEngine(noise="secure")
+    _, opt, dl = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(TensorDataset(torch.randn(40, 60)), batch_size=8),
+        noise_multiplier=2.0,
+        max_grad_norm=0.5,
+    )
+    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    opt.step()
+    noise = (before - torch.cat([p.detach().reshape(-1) for p in model.parameters()])).double()
+    expected = 2.0 * 0.5 / dl.expected_batch_size
+    assert abs(float(noise.std()) / expected - 1) < 5 / math.sqrt(2 * noise.numel())
+    with pytest.raises(InvalidParameter, match="noise"):
+        PrivacyEngine(noise="laplace")
+
+
+def test_scheduler_and_state_dict_see_the_users_optimizer():
+    engine, model, opt, loader = _setup(sigma=1.0, lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for x, y in loader:
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** len(loader))
+    assert opt.state_dict()["param_groups"][0]["lr"] == opt.param_groups[0]["lr"]
+    engine.detach()  # hooks removed: an ordinary model again
+    model(torch.randn(2, 6)).sum().backward()
+    assert model[0].weight.grad is not None

@@ -1,0 +1,374 @@
+"""Per-sample norms and clipped sums of every supported layer against a per-example loop in float64."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from gaussdp.errors import PrivacyError  # noqa: E402
+from gaussdp.torch import PerSampleClipper  # noqa: E402
+from gaussdp.torch._parts import LinearPart  # noqa: E402
+
+
+def _trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def brute_force(model, inputs, weight, clip):
+    """Per-example gradients by a loop of autograd calls: norms and the clipped sum."""
+    params = _trainable(model)
+    norms, total = [], [torch.zeros_like(p) for p in params]
+    for i in range(inputs[0].shape[0]):
+        out = model(*[t[i : i + 1] for t in inputs])
+        loss = (out * weight).sum()
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+        n = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+        norms.append(n)
+        f = min(1.0, clip / (float(n) + 1e-6))
+        for t, g in zip(total, grads, strict=True):
+            t += f * g
+    return torch.stack(norms), total
+
+
+def run_clipper(model, inputs, weight, clip, reduction="mean"):
+    clipper = PerSampleClipper(model, max_grad_norm=clip, loss_reduction=reduction)
+    out = model(*inputs)
+    b = inputs[0].shape[0]
+    loss = (out * weight).sum() / (b if reduction == "mean" else 1)
+    loss.backward()
+    clipper.check_no_plain_gradients()
+    sums = [clipper.summed.get(p, torch.zeros_like(p)) for p in _trainable(model)]
+    clipper.remove()
+    return clipper.last_norms, sums
+
+
+def check(model, inputs, *, rtol=1e-9, atol=1e-10, reduction="mean"):
+    model = model.double()
+    inputs = [t.double() if t.is_floating_point() else t for t in inputs]
+    torch.manual_seed(1)
+    with torch.no_grad():
+        out_shape = model(*[t[:1] for t in inputs]).shape[1:]
+    weight = torch.randn(out_shape, dtype=torch.float64)
+    ref_norms, _ = brute_force(model, inputs, weight, 1.0)
+    clip = float(ref_norms.median())  # about half the samples get clipped
+    ref_norms, ref_sum = brute_force(model, inputs, weight, clip)
+    norms, sums = run_clipper(model, inputs, weight, clip, reduction)
+    torch.testing.assert_close(norms, ref_norms, rtol=rtol, atol=atol)
+    for s, r in zip(sums, ref_sum, strict=True):
+        torch.testing.assert_close(s.double(), r, rtol=rtol, atol=atol)
+    return norms
+
+
+class Seq(nn.Module):
+    def __init__(self, *layers):
+        super().__init__()
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def test_mlp():
+    torch.manual_seed(0)
+    check(nn.Sequential(nn.Linear(5, 7), nn.ReLU(inplace=True), nn.Linear(7, 3)), [torch.randn(9, 5)])
+
+
+def test_mlp_sum_reduction():
+    torch.manual_seed(0)
+    check(nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), [torch.randn(6, 5)], reduction="sum")
+
+
+@pytest.mark.parametrize(("d_in", "d_out", "t", "materialised"), [(4, 3, 8, True), (16, 16, 3, False)])
+def test_linear_sequence_both_branches(d_in, d_out, t, materialised):
+    torch.manual_seed(0)
+    x = torch.randn(5, t, d_in)
+    part = LinearPart(x, torch.randn(5, t, d_out), torch.Size((d_out, d_in)))
+    assert part.materialises() == materialised  # the cost model picks the branch under test
+    check(nn.Sequential(nn.Linear(d_in, d_out), nn.GELU(), nn.Linear(d_out, 2)), [x])
+
+
+def test_linear_non_contiguous_input():
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, 5).transpose(1, 2)  # (6, 5, 4), not contiguous
+    check(nn.Sequential(nn.Linear(4, 3)), [x])
+
+
+class TokenModel(nn.Module):
+    """Token + position embeddings; position ids are an ``.expand()``ed (stride 0) tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(13, 8, padding_idx=1)
+        self.pos = nn.Embedding(6, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1]).expand(idx.shape[0], -1)
+        return self.head(torch.tanh(self.tok(idx) + self.pos(pos)))
+
+
+def test_embedding_padding_idx_and_expanded_positions():
+    torch.manual_seed(0)
+    idx = torch.randint(0, 13, (7, 6))
+    idx[:, -2:] = 1  # padding positions
+    idx[0, :3] = 5  # repeated token within a sample
+    model = TokenModel()
+    check(model, [idx])
+    # the padding row never receives a gradient, as in PyTorch's own Embedding
+    model.double()
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    model(idx).sum().backward()
+    assert float(clipper.summed[model.tok.weight][1].abs().max()) == 0.0
+
+
+class Tied(nn.Module):
+    """An input embedding and an output layer sharing one weight (as GPT-2's wte / lm_head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6, padding_idx=0)
+        self.mid = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        h = torch.tanh(self.emb(idx))
+        return self.head(self.mid(h) + self.mid(h * 2))  # mid is also called twice
+
+
+def test_tied_and_reused_weights():
+    torch.manual_seed(0)
+    check(Tied(), [torch.randint(0, 11, (5, 4))])
+
+
+def test_conv1d_conv2d():
+    torch.manual_seed(0)
+    check(
+        nn.Sequential(nn.Conv1d(3, 4, 3, padding=1, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(16, 2)),
+        [torch.randn(6, 3, 8)],
+    )
+    check(
+        nn.Sequential(
+            nn.Conv2d(2, 3, (3, 2), padding=(1, 0), dilation=(1, 2), stride=(2, 1)),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(3 * 3 * 4, 2),
+        ),
+        [torch.randn(5, 2, 6, 6)],
+    )
+
+
+def test_grouped_conv_uses_vmap_fallback():
+    torch.manual_seed(0)
+    check(
+        nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(16, 2)), [torch.randn(5, 4, 4, 4)]
+    )
+
+
+def test_norm_layers():
+    torch.manual_seed(0)
+    check(nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 2)), [torch.randn(5, 3, 4)])
+    check(nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6, eps=1e-6), nn.Linear(6, 2)), [torch.randn(5, 3, 4)])
+    check(
+        nn.Sequential(nn.Conv2d(2, 4, 1), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(36, 2)),
+        [torch.randn(5, 2, 3, 3)],
+    )
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, mask):
+        out, _ = self.attn(x, x, x, key_padding_mask=mask, need_weights=False)
+        return self.head(out)
+
+
+def test_multihead_attention_as_is():
+    torch.manual_seed(0)
+    mask = torch.zeros(5, 4, dtype=torch.bool)
+    mask[:, -1] = True
+    model = Attention()
+    keys = list(model.state_dict())
+    check(model, [torch.randn(5, 4, 8), mask])
+    assert list(model.state_dict()) == keys  # not swapped or wrapped
+
+
+class Scaled(nn.Module):
+    """A raw parameter used by its own module: the torch.func fallback."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_custom_parameter_vmap_fallback():
+    torch.manual_seed(0)
+    check(nn.Sequential(Scaled(), nn.Tanh(), nn.Linear(4, 2)), [torch.randn(6, 4)])
+
+
+class WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(3, 2)
+        self.unused = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_unused_parameters_get_no_gradient():
+    torch.manual_seed(0)
+    check(WithUnused(), [torch.randn(4, 3)])
+
+
+def test_frozen_parameters_are_not_clipped():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2))
+    model[0].requires_grad_(False)
+    norms = check(model, [torch.randn(6, 5)])
+    assert norms.shape == (6,)
+
+
+def test_bf16_norms_accumulate_in_float32():
+    torch.manual_seed(0)
+    model64 = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).double()
+    x = torch.randn(8, 5, 16, dtype=torch.float64)
+    weight = torch.randn(5, 4, dtype=torch.float64)
+    ref, _ = brute_force(model64, [x], weight, 1.0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    model.load_state_dict(model64.state_dict())
+    model = model.bfloat16()
+    norms, sums = run_clipper(model, [x.bfloat16()], weight.bfloat16(), 1.0)
+    assert norms.dtype == torch.float32
+    torch.testing.assert_close(norms.double(), ref, rtol=0.05, atol=0.0)
+    assert all(s.dtype == torch.float32 for s in sums)
+
+
+class Leaky(nn.Module):
+    """Uses a child's weight outside the child's forward: it cannot be clipped per sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(x) + x @ self.lin.weight
+
+
+def test_gradient_outside_owner_fails_closed():
+    model = Leaky()
+    PerSampleClipper(model, max_grad_norm=1.0)
+    with pytest.raises(PrivacyError, match=r"lin\.weight"):
+        model(torch.randn(4, 3)).sum().backward()
+
+
+def test_second_backward_on_same_samples_refused():
+    model = nn.Linear(3, 2)
+    PerSampleClipper(model, max_grad_norm=1.0)
+    out = model(torch.randn(4, 3))
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(PrivacyError, match="already clipped"):
+        out.sum().backward()
+
+
+def test_hooks_removed_leave_module_unchanged():
+    model = nn.Linear(3, 2)
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    clipper.remove()
+    model(torch.randn(4, 3)).sum().backward()
+    assert model.weight.grad is not None
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True, **kw)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, mem):
+        causal = torch.triu(torch.ones(x.shape[1], mem.shape[1], dtype=torch.bool), diagonal=1)
+        out, w = self.attn(x, mem, mem, attn_mask=causal, need_weights=True)
+        return self.head(out) + w.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("kw", [{}, {"kdim": 5, "vdim": 5}, {"bias": False}])
+def test_multihead_attention_cross_masks_and_weights(kw):
+    torch.manual_seed(0)
+    d_mem = kw.get("kdim", 8)
+    check(CrossAttention(**kw), [torch.randn(5, 4, 8), torch.randn(5, 4, d_mem)])
+
+
+def test_multihead_attention_batch_second_refused():
+    model = nn.MultiheadAttention(8, 2)
+    PerSampleClipper(model, max_grad_norm=1.0)
+    x = torch.randn(4, 3, 8)
+    with pytest.raises(PrivacyError, match="batch_first"):
+        model(x, x, x)[0].sum().backward()
+
+
+def test_hugging_face_conv1d_transposed_weight():
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
+    torch.manual_seed(0)
+    check(nn.Sequential(pytorch_utils.Conv1D(6, 4), nn.Tanh(), nn.Linear(6, 2)), [torch.randn(5, 3, 4)])
+
+
+class InPlaceAfterUse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = torch.tanh(x)
+        out = self.lin(h)
+        h.mul_(2.0)  # changes the kept input of lin after its call
+        return out + h
+
+
+def test_input_modified_in_place_after_use_fails_closed():
+    from gaussdp.errors import UnsafeInput
+
+    model = InPlaceAfterUse()
+    PerSampleClipper(model, max_grad_norm=1.0)
+    with pytest.raises(UnsafeInput, match="in place"):
+        model(torch.randn(4, 3)).sum().backward()
+
+
+class _Logits(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids).logits
+
+
+def test_hugging_face_gpt2_full_fine_tuning():
+    """Conv1D projections, LayerNorm, tied wte/lm_head, and position ids of shape (1, T) that
+    broadcast over the batch (their lookup is made per sample)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=30,
+        n_positions=8,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    check(_Logits(model), [torch.randint(0, 30, (4, 8))], rtol=1e-8, atol=1e-9)
