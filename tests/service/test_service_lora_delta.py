@@ -154,6 +154,7 @@ def test_oversized_body_is_413(service, lora_client) -> None:  # type: ignore[no
         ),
         ({"adapter": "ad", "clip_norm": 1.0, "sigma": SIGMA, "noised": [[1.0] * (D - 1)]}, "noised"),
         ({"adapter": "ad", "clip_norm": 1.0, "sigma": SIGMA, "noised": [[1.0] * D, [1.0]]}, "noised"),
+        ({"adapter": "ad", "clip_norm": 1.0, "sigma": SIGMA, "noised": [[1e308] * D]}, "overflows"),
         ({"adapter": "nope", "clip_norm": 1.0, "sigma": SIGMA, "noised": [[1.0] * D]}, "adapter"),
         ({"adapter": "ad", "clip_norm": 1.0, "noised": [[1.0] * D]}, "sigma"),
         ({"adapter": "ad", "clip_norm": 0, "sigma": SIGMA, "noised": [[1.0] * D]}, "clip_norm"),
@@ -173,6 +174,16 @@ def test_invalid_input_is_422_and_not_charged(service, lora_client, body, named)
     assert r.status_code == 422, r.text
     assert named in r.text
     assert service.ledger.history(f"tenant-a/{sid}") == []
+
+
+def test_a_retried_idempotency_key_is_charged_once(service, lora_client) -> None:  # type: ignore[no-untyped-def]
+    sid = new_session(lora_client, service)
+    h = service.headers(service.key_a)
+    body = body_for(np.ones((1, D)), idempotency_key="req-1")
+    assert lora_client.post(f"/v1/sessions/{sid}/lora-delta", json=body, headers=h).status_code == 200
+    again = lora_client.post(f"/v1/sessions/{sid}/lora-delta", json=body, headers=h)
+    assert again.status_code == 409 and "already charged" in again.json()["detail"]
+    assert len(service.ledger.history(f"tenant-a/{sid}")) == 1
 
 
 def test_a_server_without_adapters_answers_422(service, client) -> None:  # type: ignore[no-untyped-def]

@@ -202,10 +202,7 @@ def compute_epsilon_from_delta(
     sensitivity = check_positive("sensitivity", sensitivity)
     if steps == 1 and sample_rate == 1.0:
         return epsilon_for(sigma=sigma, delta=delta, sensitivity=sensitivity)
-    acc = make_accountant(accountant).compose(
-        _round_event(sigma / sensitivity, check_probability("sample_rate", sample_rate)), count=steps
-    )
-    return acc.epsilon(delta)
+    return _composed(sigma / sensitivity, sample_rate, steps, accountant).epsilon(delta)
 
 
 def compute_delta_from_epsilon(
@@ -222,10 +219,13 @@ def compute_delta_from_epsilon(
     sensitivity = check_positive("sensitivity", sensitivity)
     if steps == 1 and sample_rate == 1.0:
         return delta_for(sigma=sigma, epsilon=epsilon, sensitivity=sensitivity)
-    acc = make_accountant(accountant).compose(
-        _round_event(sigma / sensitivity, check_probability("sample_rate", sample_rate)), count=steps
-    )
-    return acc.delta(epsilon)
+    return _composed(sigma / sensitivity, sample_rate, steps, accountant).delta(epsilon)
+
+
+def _composed(noise_multiplier: float, sample_rate: float, steps: int, accountant: str) -> Accountant:
+    """``steps`` rounds of (subsampled) Gaussian noise, composed under the named accountant."""
+    event = _round_event(noise_multiplier, check_probability("sample_rate", sample_rate))
+    return make_accountant(accountant).compose(event, count=steps)
 
 
 def estimate_noise_scale(

@@ -69,6 +69,7 @@ def _lfilter(b: list[float], a: list[float], x: FloatArray) -> FloatArray:
     out: FloatArray = signal.lfilter(b, a, x)
     return out
 
+
 FloatArray = NDArray[np.float64]
 Direction = Literal["remove", "add"]
 
@@ -231,6 +232,8 @@ class PLDAccountant(Accountant):
                 eps = min(eps, self._rdp_fallback().epsilon(delta))
             except InvalidParameter:
                 pass
+        if any(isinstance(e, EpsilonDeltaEvent) for e in self._counts):
+            eps = min(eps, self._basic_fallback_epsilon(delta))  # both are upper bounds
         return eps
 
     def _grid_is_coarse(self) -> bool:
@@ -272,7 +275,7 @@ class PLDAccountant(Accountant):
             pld_eps = max(fine_tail._tilted_epsilon(d, h, delta, rdp_eps) for d in ("remove", "add"))
         except (_BelowFloor, InvalidParameter, FloatingPointError, OverflowError):
             pld_eps = math.inf
-        best = min(rdp_eps, pld_eps)
+        best = min(rdp_eps, pld_eps, self._basic_fallback_epsilon(delta))
         if not math.isfinite(best):
             raise InvalidParameter(f"no finite epsilon at delta={delta:g} for this composition")
         return max(0.0, best)
@@ -355,6 +358,19 @@ class PLDAccountant(Accountant):
             except InvalidParameter:
                 pass
         return d
+
+    def _basic_fallback_epsilon(self, delta: float) -> float:
+        # Basic composition holds for every mix of events; it answers where the discretised PLD
+        # cannot, e.g. one (epsilon, delta) event asked at exactly its own delta.
+        from gaussdp.accounting.basic import BasicComposition
+
+        acc = BasicComposition()
+        for e, c in self._counts.items():
+            acc.compose(e, c)
+        try:
+            return acc.epsilon(delta)
+        except InvalidParameter:
+            return math.inf
 
     def _rdp_fallback(self) -> Accountant:
         if any(isinstance(e, EpsilonDeltaEvent) and e.delta > 0 for e in self._counts):

@@ -40,7 +40,7 @@ def calibrate(
         analytic = sigma_for(epsilon=epsilon, delta=delta, sensitivity=sensitivity)
         console.print(
             f"the analytic sigma for the same target is {analytic:.10g} "
-            f"({sigma / analytic:.3f}x less noise than classical)"
+            f"(classical adds {sigma / analytic:.3f}x that noise)"
         )
 
 

@@ -71,17 +71,21 @@ def run_demo(
         Path(f"{db}{suffix}").unlink(missing_ok=True)  # a fresh run; the ledger would otherwise resume
     url = f"sqlite:///{db.resolve()}"
     m = sample_rate * num_clients
-    server = DPFedAvg(
-        num_clients=num_clients,
-        sample_rate=sample_rate,
-        noise_multiplier=noise_multiplier,
-        adaptive=AdaptiveClipping(initial_clip_norm=1.0, target_quantile=0.5, count_stddev=m / 20),
-        ledger=url,
-        run_id="digits-demo",
-        epsilon=target_epsilon,
-        delta=delta,
-        accountant=accountant,
-    )
+
+    def make_server() -> DPFedAvg:
+        return DPFedAvg(
+            num_clients=num_clients,
+            sample_rate=sample_rate,
+            noise_multiplier=noise_multiplier,
+            adaptive=AdaptiveClipping(initial_clip_norm=1.0, target_quantile=0.5, count_stddev=m / 20),
+            ledger=url,
+            run_id="digits-demo",
+            epsilon=target_epsilon,
+            delta=delta,
+            accountant=accountant,
+        )
+
+    server = make_server()
 
     def evaluate(params: Any) -> dict[str, float]:
         return {"accuracy": softmax_accuracy(params, X[test], y[test], 10)}
@@ -96,17 +100,7 @@ def run_demo(
     )
     sim.run(rounds, callback=on_round)
     # A restarted server on the same ledger URL sees the same rounds and budget.
-    resumed = DPFedAvg(
-        num_clients=num_clients,
-        sample_rate=sample_rate,
-        noise_multiplier=noise_multiplier,
-        adaptive=AdaptiveClipping(initial_clip_norm=1.0, target_quantile=0.5, count_stddev=m / 20),
-        ledger=url,
-        run_id="digits-demo",
-        epsilon=target_epsilon,
-        delta=delta,
-        accountant=accountant,
-    )
+    resumed = make_server()
     report = resumed.ledger.report()  # document 003's PrivacyAccountant, from the ledger's records
     png = _plot(sim.rounds, out_dir / "federated.png", target_epsilon, delta) if plot else None
     last = sim.rounds[-1] if sim.rounds else None

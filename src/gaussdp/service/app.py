@@ -275,7 +275,8 @@ def create_app(
         ``GaussianEvent(noise_multiplier=sigma / sensitivity)`` per row (sensitivity ``2 * clip_norm``
         for ``"replace"``, ``clip_norm`` for ``"add-remove"``), all rows in one atomic charge before
         answering, so that the session's budget is enforced (409 once it cannot pay; nothing is
-        answered then). The charge records a claim, it does not make unnoised rows private.
+        answered then). The charge records a claim, it does not make unnoised rows private. A delta
+        that overflows (float64, or float32 for ``noised_b64``) is refused with 422, uncharged.
         """
         p = owned(tenant, session_id)
         adapter = adapters.get(body.adapter)
@@ -285,6 +286,12 @@ def create_app(
         h = _rows(body.noised, body.noised_b64, a.shape[1], body.adapter)
         sensitivity = _sensitivity(body.clip_norm, body.neighbouring)
         event = _row_event(body.sigma / sensitivity, h.shape[0])
+        # Computed first (nothing leaves before the charge), so that a failure charges nothing.
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = np.asarray(lora_delta_of(h, a, b, scaling, backend=backend), dtype=np.float64)
+            b64 = body.noised_b64 is not None
+            if not np.isfinite(out.astype(np.float32) if b64 else out).all():
+                raise HTTPException(422, "noised: the delta overflows (rows far too large); nothing charged")
         receipt = led.charge(p, event, body.idempotency_key)
         if receipt.replayed:
             raise HTTPException(
@@ -292,10 +299,6 @@ def create_app(
                 f"idempotency_key={body.idempotency_key!r} was already charged and answered "
                 "(the first response is the only one)",
             )
-        out = np.asarray(lora_delta_of(h, a, b, scaling, backend=backend), dtype=np.float64)
-        b64 = body.noised_b64 is not None
-        if not b64 and not np.isfinite(out).all():
-            raise HTTPException(422, "noised: the delta overflows float64 (rows far too large)")
         budget, spent = led.budget(p), led.spent(p, as_of=receipt)
         return LoraDeltaOut(
             **_encode(out, "delta", b64=b64),
