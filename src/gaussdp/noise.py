@@ -459,7 +459,7 @@ def _grid_loop(
             chunk = flat[start : start + _CHUNK]
             m = chunk.size
             n, k = n_buf[:m], k_buf[:m]
-            np.multiply(chunk, mult, out=n)
+            np.multiply(chunk, mult, out=n, dtype=np.float64)  # float64 even for float32 x (NEP 50)
             if bounded:
                 np.trunc(n, out=n)
                 sq += float(np.dot(n, n))

@@ -468,7 +468,7 @@ class PLDAccountant(Accountant):
                     f"the privacy loss of {leaf!r} spans {hi - lo:.3g} nats: too wide for the PLD grid "
                     f"h={h:g}; use a coarser value_discretization_interval or the 'rdp' accountant"
                 )
-            grid = np.arange(lo_i, hi_i + 1) * h
+            grid: FloatArray = np.arange(lo_i, hi_i + 1, dtype=np.float64) * h
             log_d = subsampled_log_delta(sigma, q, grid, direction)
             pmf, inf_mass = _connect_dots(grid, log_d)
             out = _make_leaf(lo_i, pmf, math.log1p(-inf_mass) if inf_mass < 1 else -math.inf, h)
