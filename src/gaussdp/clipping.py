@@ -80,14 +80,19 @@ def _as_numpy(name: str, x: Any) -> NDArray[Any]:
 
 
 def _sumsq64(flat: NDArray[Any]) -> float:
-    """Sum of squares of a 1-D float array, accumulated in float64."""
-    if flat.dtype == np.float64:
-        return float(np.dot(flat, flat))
-    total = 0.0
-    for start in range(0, flat.size, _CHUNK):
-        chunk = flat[start : start + _CHUNK].astype(np.float64)
-        total += float(np.dot(chunk, chunk))
-    return total
+    """Sum of squares of a 1-D float array, accumulated in float64.
+
+    Overflow is expected for huge entries and is handled by the caller (rescaling), so numpy's
+    overflow warning is silenced here.
+    """
+    with np.errstate(over="ignore"):
+        if flat.dtype == np.float64:
+            return float(np.dot(flat, flat))
+        total = 0.0
+        for start in range(0, flat.size, _CHUNK):
+            chunk = flat[start : start + _CHUNK].astype(np.float64)
+            total += float(np.dot(chunk, chunk))
+        return total
 
 
 def _norm64(name: str, arr: NDArray[Any]) -> float:

@@ -16,10 +16,9 @@ from gaussdp import InvalidParameter, UnsafeInput, clip_l2, clip_rows, clip_tree
 def _norm64(a) -> float:
     """float64 L2 norm, rescaled when the plain sum of squares would overflow or underflow."""
     flat = np.asarray(a, dtype=np.float64).reshape(-1)
-    plain = float(np.linalg.norm(flat))
     m = float(np.max(np.abs(flat))) if flat.size else 0.0
     if m == 0.0 or (1e-150 < m < 1e150):
-        return plain
+        return float(np.linalg.norm(flat))
     return m * float(np.linalg.norm(flat / m))
 
 
