@@ -352,11 +352,12 @@ def add_gaussian(
     sigma = check_positive("sigma", sigma)
     sensitivity = check_positive("sensitivity", sensitivity)
     src = source if source is not None else noise_source()
-    if _is_torch(x):
-        return _add_gaussian_torch(x, sigma, sensitivity, src, norm_bounded)
-    arr = _float_array("x", x)
     if norm_bounded:
-        return release_clipped(arr, sigma, clip_norm=sensitivity, source=src)
+        # Clipped (or re-checked) to the bound on every path, torch and "fast" included.
+        return release_clipped(x, sigma, clip_norm=sensitivity, source=src)
+    if _is_torch(x):
+        return _add_gaussian_torch(x, sigma, sensitivity, src, False)
+    arr = _float_array("x", x)
     if not src.float_safe:
         _check_finite("x", arr)
         return _fast_loop(arr, sigma, 1.0, None, src)

@@ -366,10 +366,12 @@ class PrivacyManager:
         self._last_norms = norms
         if per_example:
             leaves = clipped if isinstance(clipped, dict) else {"": clipped}
-            summed = {k: v.sum(axis=0, dtype=np.float64).astype(v.dtype) for k, v in leaves.items()}
+            # The sum stays float64 until it is noised: rounding it to float32 first would move two
+            # neighbouring sums by more than the sensitivity the noise is calibrated for.
+            summed = {k: v.sum(axis=0, dtype=np.float64) for k, v in leaves.items()}
             noisy = self.add_gaussian_noise(summed)
             denom = self.expected_batch_size or float(norms.shape[0])
-            out = {k: (v / v.dtype.type(denom)).astype(v.dtype, copy=False) for k, v in noisy.items()}
+            out = {k: (v / denom).astype(leaves[k].dtype, copy=False) for k, v in noisy.items()}
             return out if isinstance(clipped, dict) else out[""]
         return self.add_gaussian_noise(clipped)
 

@@ -9,7 +9,7 @@ import pytest
 
 from gaussdp.budget import Ledger
 from gaussdp.calibration import sigma_for
-from gaussdp.errors import BudgetExhausted, InvalidParameter, UnsafeInput
+from gaussdp.errors import BudgetExhausted, InvalidParameter, NotPrivateWarning, UnsafeInput
 from gaussdp.federated import LocalGaussian, clip_update, round_report, sanitize_coreset
 
 
@@ -130,3 +130,22 @@ def test_local_gaussian_rows_for_the_simulator() -> None:
     assert abs(out[:, 1:].std() - 1.0) < 5 / math.sqrt(2 * out[:, 1:].size)
     assert led.principals("client/") == ["client/4", "client/5", "client/6"]
     assert all(led.history(f"client/{c}")[0].idempotency_key == f"client/{c}#round=1" for c in (4, 5, 6))
+
+
+def test_local_noise_is_one_release_over_the_tree_and_keeps_leaf_types() -> None:
+    torch = pytest.importorskip("torch")
+    with pytest.warns(NotPrivateWarning):
+        local = LocalGaussian(clip_norm=1.0, noise_multiplier=1.0, seed=3)
+    update = {"w": torch.tensor([0.3, 0.4]), "b": np.array([0.1], dtype=np.float32)}
+    out = local.privatize(update, {"w": torch.zeros(2), "b": np.zeros(1, np.float32)}, client_id=1)
+    assert isinstance(out["w"], torch.Tensor) and out["w"].dtype == torch.float32
+    assert isinstance(out["b"], np.ndarray) and out["b"].dtype == np.float32
+
+
+def test_seeded_rows_draw_fresh_noise_every_round() -> None:
+    with pytest.warns(NotPrivateWarning):
+        local = LocalGaussian(clip_norm=1.0, noise_multiplier=1.0, seed=3)
+    deltas = np.zeros((4, 8), dtype=np.float32)
+    r1 = local.privatize_rows(deltas, [0, 1, 2, 3], round_num=1)
+    r2 = local.privatize_rows(deltas, [0, 1, 2, 3], round_num=2)
+    assert not np.array_equal(r1, r2)

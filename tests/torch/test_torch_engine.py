@@ -200,9 +200,6 @@ def test_bad_parameters_named(kwargs, match):
         )
 
 
-@pytest.mark.skipif(
-    not hasattr(accounting, "noise_for_epsilon"), reason="gaussdp.accounting.noise_for_epsilon not there yet"
-)
 def test_make_private_with_epsilon_reaches_target():
     torch.manual_seed(0)
     model = nn.Linear(6, 3)

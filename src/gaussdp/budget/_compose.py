@@ -68,11 +68,17 @@ class Composer:
         if not isinstance(name, str):
             raise TypeError(f"accountant must be a str, got accountant={name!r}")
         try:
-            accountant(name)
+            acc = accountant(name)
         except PrivacyError:
             raise
         except (KeyError, ValueError) as exc:
             raise InvalidParameter(f"unknown accountant, got accountant={name!r}: {exc}") from exc
+        if acc.approximate:
+            # A CLT approximation can fall below the true epsilon: a budget it enforces is no bound.
+            raise InvalidParameter(
+                f"a budget needs an accountant whose epsilon is an upper bound; accountant={name!r} is "
+                "an approximation (use 'pld', 'rdp', 'advanced' or 'basic')"
+            )
 
     @staticmethod
     def _parse_event(key: str) -> Any:

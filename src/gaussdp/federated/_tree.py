@@ -49,9 +49,26 @@ def flatten(tree: Any, name: str = "params") -> tuple[np.ndarray, TreeSpec]:
     if not leaves:
         raise UnsafeInput(f"{name} has no arrays")
     arrays = [_to_numpy(x) for x in leaves]
-    dtype = np.result_type(*[a.dtype for a in arrays], np.float32)
+    # The widest *float* dtype: an integer buffer (a BatchNorm counter) must not upcast the model.
+    dtype = np.result_type(*[a.dtype for a in arrays if a.dtype.kind == "f"], np.float32)
     vec = np.concatenate([a.reshape(-1).astype(dtype, copy=False) for a in arrays])
     return vec, TreeSpec(keys, tuple(a.shape for a in arrays), np.dtype(dtype))
+
+
+def unflatten_like(vec: np.ndarray, template: Any) -> Any:
+    """``vec`` split back into ``template``'s structure, each leaf in the template leaf's type and dtype."""
+    keys, leaves = _leaves(template, "template")
+    parts = unflatten(vec, TreeSpec(keys, tuple(tuple(_to_numpy(x).shape) for x in leaves), vec.dtype))
+    parts_list = list(parts.values()) if isinstance(parts, dict) else parts
+    out: list[Any] = []
+    for part, leaf in zip(parts_list, leaves, strict=True):
+        if type(leaf).__module__.split(".")[0] == "torch":
+            import torch
+
+            out.append(torch.from_numpy(np.ascontiguousarray(part)).to(dtype=leaf.dtype, device=leaf.device))
+        else:
+            out.append(part.astype(np.asarray(leaf).dtype, copy=False))
+    return out if keys is None else dict(zip(keys, out, strict=True))
 
 
 def unflatten(vec: np.ndarray, spec: TreeSpec) -> Any:

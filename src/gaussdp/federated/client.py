@@ -27,7 +27,7 @@ import numpy as np
 
 from gaussdp._validate import check_positive
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, PrivacyError
-from gaussdp.federated._tree import tree_sub
+from gaussdp.federated._tree import flatten, tree_sub, unflatten_like
 from gaussdp.federated.rounds import RoundLedger
 
 __all__ = ["LocalGaussian", "client_principal", "clip_update", "sanitize_coreset"]
@@ -185,6 +185,7 @@ class LocalGaussian:
         if self._ledger is not None:
             for cid in np.asarray(client_ids).tolist():
                 self.client_ledger(cid).charge_round(round_num, self.event)
+        self._releases += 1  # a seeded run draws fresh noise every round
         return self._noised([clipped], "rows", round_num)[0]
 
     def _noised(self, tree: Any, client_id: Any, round_num: int | None) -> Any:
@@ -199,9 +200,10 @@ class LocalGaussian:
             mech = GaussianMechanism(
                 sigma=self.sigma, sensitivity=self.sensitivity, noise=self.noise, seed=seed
             )
-            if isinstance(tree, dict):
-                return {k: mech.add_noise(v) for k, v in tree.items()}
-            return [mech.add_noise(v) for v in tree]
+            # One release over the whole update: one float-safe grid, whose rounding slack the
+            # mechanism accounts for (leaf-by-leaf calls would each add their own slack).
+            vec, _ = flatten(tree, "update")
+            return unflatten_like(np.asarray(mech.add_noise(vec)), tree)
 
 
 def sanitize_coreset(

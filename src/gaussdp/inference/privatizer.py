@@ -298,7 +298,7 @@ class HiddenStatePrivatizer:
             self._charge(session_id or self._session.get(), rows.shape[0])
             if self.noise_enabled:
                 released = self._release(clipped)
-                noise = released.double() - clipped.double()
+                noise = released - clipped  # one temporary in the data's dtype; norms in float64
                 noise_norms = torch.linalg.vector_norm(noise, dim=1, dtype=torch.float64).cpu().numpy()
             else:
                 released = clipped
@@ -318,22 +318,13 @@ class HiddenStatePrivatizer:
 
     def _release(self, clipped: torch.Tensor) -> torch.Tensor:
         """Each clipped row plus N(0, sigma^2 I), floating-point safe unless ``noise="fast"``."""
-        from gaussdp.noise import add_gaussian
+        from gaussdp.noise import add_gaussian_rows
 
         assert self._source is not None  # only called with noise on
         with self._lock:  # one noise source per privatizer; sources are not thread-safe
-            if self._source.float_safe:
-                # Row by row with norm_bounded=True: the grid rounding keeps each row's norm <= C,
-                # so the sensitivity (2C or C) has no discretisation cost (see gaussdp.noise).
-                rows = [
-                    add_gaussian(
-                        row, self.sigma, sensitivity=self.clip_norm, source=self._source, norm_bounded=True
-                    )
-                    for row in clipped
-                ]
-                released = torch.stack(rows)
-            else:
-                released = add_gaussian(clipped, self.sigma, sensitivity=self.clip_norm, source=self._source)
+            # One norm-bounded release per row (the core's row path): the grid rounding keeps each
+            # row's norm <= C, so the sensitivity (2C or C) has no discretisation cost.
+            released = add_gaussian_rows(clipped, self.sigma, sensitivity=self.clip_norm, source=self._source)
         return released.to(device=clipped.device, dtype=clipped.dtype)
 
     def _event(self, count: int) -> Any:

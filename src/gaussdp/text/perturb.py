@@ -6,8 +6,11 @@ would release the word unprotected:
 * ``"perturb"`` (default): the word is treated as the zero vector (the centre of the clip box) and
   perturbed by the same mechanism. Its distance to any vocabulary word is at most the vocabulary's
   diameter bound, so the worst-case guarantee covers it.
-* ``"sample"``: replaced by a vocabulary word drawn uniformly at random (reveals nothing about it).
-* ``"drop"``: removed from the output (reveals that an unknown word was there, through the count).
+* ``"sample"``: replaced by a vocabulary word drawn uniformly at random (reveals nothing about *which*
+  unknown word it was, but a known word and an unknown word at the same position are not protected
+  from each other: the reported guarantees then only compare texts with the same unknown positions).
+* ``"drop"``: removed from the output (reveals that an unknown word was there, through the count;
+  the same restriction on the reported guarantees applies).
 * ``"error"``: refuse the whole text with :class:`UnsafeInput` (nothing is released).
 
 Punctuation is dropped and words are lower-cased (:mod:`gaussdp.text.tokenize`). Line breaks are kept.
@@ -41,7 +44,9 @@ class PerturbedText:
     """The perturbed text and what it cost.
 
     ``guarantee_worst`` composes every released word at the vocabulary's diameter bound: the local
-    DP guarantee for the whole text against any other text with the same number of words.
+    DP guarantee for the whole text against any other text with the same number of words (with
+    ``unknown="sample"`` or ``"drop"``: with the same unknown-word positions; only the default
+    ``"perturb"`` covers every text of that length).
     ``guarantee_neighbour`` composes them at the typical nearest-neighbour distance: what it costs to
     hide each word among its close neighbours. ``per_word`` is the single-word guarantee at both.
     """

@@ -165,7 +165,7 @@ def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor |
     if mask is None:
         return None
     if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype).masked_fill_(mask, float("-inf"))
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
     return mask.to(dtype)
 
 
@@ -213,15 +213,15 @@ def _mha(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
         kpm = kpm.view(b, 1, 1, src)
         mask = kpm if mask is None else mask + kpm
     want_w = g_w is not None and bound.get("need_weights", True)
-    o = torch.empty(b, tgt, e, dtype=q_in.dtype)
+    o = torch.empty(b, tgt, e, dtype=q_in.dtype, device=q_in.device)
     if tgt == src:  # q/k/v gradients side by side: the packed projection's output gradient
-        g_qkv = torch.zeros(b, tgt, 3 * e, dtype=q_in.dtype)
+        g_qkv = torch.zeros(b, tgt, 3 * e, dtype=q_in.dtype, device=q_in.device)
         gq, gk, gv = g_qkv.split(e, dim=-1)
     else:
         g_qkv = None
-        gq = torch.zeros(b, tgt, e, dtype=q_in.dtype)
-        gk = torch.zeros(b, src, e, dtype=k_in.dtype)
-        gv = torch.zeros(b, src, e, dtype=v_in.dtype)
+        gq = torch.zeros(b, tgt, e, dtype=q_in.dtype, device=q_in.device)
+        gk = torch.zeros(b, src, e, dtype=k_in.dtype, device=k_in.device)
+        gv = torch.zeros(b, src, e, dtype=v_in.dtype, device=v_in.device)
     # the recomputation is done in batch chunks so its temporaries (scores: h*tgt*src per sample)
     # stay around 2**18 elements whatever the batch size
     step = max(1, (1 << 18) // max(1, h * tgt * src))

@@ -142,14 +142,15 @@ class DPOptimizer(Optimizer):
             s = self.clipper.summed.get(p)
             dtype = s.dtype if s is not None else torch.promote_types(p.dtype, torch.float32)
             if s is None:
-                s = torch.zeros(p.shape, dtype=dtype)
+                s = torch.zeros(p.shape, dtype=dtype, device=p.device)
             if add_noise:
                 # in place and in chunks: the noise never needs a second full-size copy of the sum
                 flat = s.view(-1)
                 step = max(1 << 18, flat.numel() // 16)
                 for lo in range(0, flat.numel(), step):
                     part = flat[lo : lo + step]
-                    part.add_(self._standard_normal(part.numel(), dtype), alpha=std)
+                    # drawn on the host generator, added on the parameter's device
+                    part.add_(self._standard_normal(part.numel(), dtype).to(part.device), alpha=std)
             out.append(s)
         return out
 
