@@ -24,7 +24,7 @@ from gaussdp.calibration import (
     mu_for,
     sigma_for,
 )
-from gaussdp.clipping import clip_l2, clip_rows, clip_tree
+from gaussdp.clipping import clip_l2, clip_rows, clip_tree, clipped_sum
 from gaussdp.errors import (
     BudgetExhausted,
     InvalidParameter,
@@ -57,6 +57,7 @@ __all__ = [
     "clip_l2",
     "clip_rows",
     "clip_tree",
+    "clipped_sum",
     "delta_for",
     "delta_for_mu",
     "epsilon_for",

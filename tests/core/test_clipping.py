@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gaussdp import InvalidParameter, UnsafeInput, clip_l2, clip_rows, clip_tree
+from gaussdp import InvalidParameter, UnsafeInput, clip_l2, clip_rows, clip_tree, clipped_sum
 
 
 def _norm64(a) -> float:
@@ -133,7 +133,7 @@ def test_torch_tensors():
         clip_rows(torch.tensor([[1.0, 0.0], [float("inf"), 0.0]]), 1.0)
 
 
-@pytest.mark.parametrize("func", [clip_l2, clip_rows, clip_tree])
+@pytest.mark.parametrize("func", [clip_l2, clip_rows, clip_tree, clipped_sum])
 @pytest.mark.parametrize("c", [0.0, -1.0, math.nan, math.inf])
 def test_bad_clip_norm(func, c):
     x = {"a": np.ones(2)} if func is clip_tree else np.ones((2, 2))
@@ -208,3 +208,137 @@ def test_no_large_float64_copy_for_float32():
     tracemalloc.stop()
     assert norm == pytest.approx(2000.0)
     assert peak < 2.2 * x.nbytes  # the output (16 MB) plus small chunks
+
+
+# --- clipped_sum: the sum of the clipped rows, without the clipped copy ------------------------------
+
+
+def _clipped_rows64(X, c):
+    """Each row times min(1, c / norm), in float64 (rescaled: no overflow, no subnormal factor)."""
+    rows = []
+    for x in np.asarray(X, dtype=np.float64):
+        y = x / float(np.max(np.abs(x))) if x.any() else x
+        rows.append(x if _norm64(x) <= c else y * (c / _norm64(y)))  # _norm64(x) may overflow
+    return np.array(rows)
+
+
+def _check_clipped_sum(X, c, rel=2e-4):
+    """clipped_sum agrees with the float64 sum of the clipped rows; every contribution is in the ball."""
+    total, norms = clipped_sum(X, c)
+    assert total.dtype == np.float64 and total.shape == (X.shape[1],)
+    assert norms.dtype == np.float64 and norms.shape == (X.shape[0],)
+    np.testing.assert_allclose(norms, clip_rows(X, c)[1], rtol=1e-4)
+    # Each row is scaled by at most gamma_k / 2 + 2^-20 (relative) more than needed.
+    clipped = _clipped_rows64(X, c)
+    budget = rel * sum(_norm64(r) for r in clipped) + 1e-300
+    assert _norm64(total - clipped.sum(axis=0)) <= budget
+    parts = np.zeros_like(total)
+    for i in range(X.shape[0]):
+        part, _ = clipped_sum(X[i : i + 1], c)  # the row's contribution, computed in float64
+        assert _norm64(part) <= c  # in the ball, the last ulp included
+        assert np.all(np.abs(part) <= np.abs(X[i].astype(np.float64)))  # a factor in [0, 1]
+        parts += part
+    # The weight of a row depends on that row alone: the sum is the sum of the contributions.
+    assert _norm64(total - parts) <= 1e-5 * sum(_norm64(r) for r in clipped) + 1e-300
+    return total, norms
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.one_of(
+        hnp.arrays(np.float32, st.tuples(st.integers(1, 20), st.integers(1, 12)), elements=finite32),
+        hnp.arrays(np.float64, st.tuples(st.integers(1, 20), st.integers(1, 12)), elements=finite64),
+    ),
+    clip_norms,
+)
+def test_clipped_sum_matches_clip_rows(X, c):
+    _check_clipped_sum(X, c)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_clipped_sum_many_chunks_and_rows_at_the_bound(dtype):
+    # 5 column chunks; rows placed just inside, on and just outside the ball, where the rigorous
+    # bound (not the estimate) decides.
+    rng = np.random.default_rng(3)
+    X = rng.standard_normal((40, 5000))
+    X /= np.linalg.norm(X, axis=1, keepdims=True)
+    X *= np.array([1 - 1e-3, 1 - 1e-6, 1.0, 1 + 1e-6, 1 + 1e-3, 0.1, 10.0, 1e4] * 5)[:, None]
+    X = X.astype(dtype)
+    _, norms = _check_clipped_sum(X, 1.0)
+    np.testing.assert_allclose(norms, np.linalg.norm(X.astype(np.float64), axis=1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("c", [1e-30, 1.0, 1e30])
+def test_clipped_sum_huge_tiny_and_zero_rows(dtype, c):
+    big = np.finfo(dtype).max / 4
+    X = np.zeros((6, 300), dtype=dtype)
+    X[0] = big  # squares overflow the dtype: the exact path
+    X[1, ::7] = 1e-30 if dtype == np.float32 else 1e-300  # squares underflow
+    X[2, ::3] = np.finfo(dtype).smallest_subnormal * 3  # subnormal entries
+    X[3] = 0.5  # an ordinary row
+    X[5, :2] = [-big, big]
+    _, norms = _check_clipped_sum(X, c)
+    assert norms[4] == 0.0
+    np.testing.assert_allclose(norms, [_norm64(r) for r in X], rtol=1e-6)
+
+
+def test_clipped_sum_clip_norm_below_the_normal_range():
+    # C < sqrt(dim) * tiny: products could be subnormal, so every row takes the exact path.
+    X = np.full((3, 100), 1e-36, dtype=np.float32)
+    X[1] *= 1e30
+    _check_clipped_sum(X, 1e-37)
+
+
+def test_clipped_sum_names_the_first_nan_or_inf_row():
+    X = np.ones((10, 3000), dtype=np.float32)
+    X[2] = 3e38  # finite, but its squares overflow: redone exactly, no error
+    X[6, 2999] = np.inf
+    X[8, 0] = np.nan
+    with pytest.raises(UnsafeInput, match=r"X\[6\] contains NaN or Inf"):
+        clipped_sum(X, 1.0)
+    with pytest.raises(UnsafeInput, match=r"X\[1\]"):
+        clipped_sum(np.array([[1.0, 0.0], [np.nan, 0.0]]), 1.0)
+
+
+def test_clipped_sum_shapes_and_dtypes():
+    total, norms = clipped_sum(np.zeros((0, 7), dtype=np.float32), 1.0)  # nobody: the zero sum
+    assert total.tolist() == [0.0] * 7 and norms.shape == (0,)
+    for X, exc, word in [
+        (np.ones(3), UnsafeInput, "2-D"),
+        (np.ones((3, 0)), UnsafeInput, "no columns"),
+        (np.array([[True]]), TypeError, "bool"),
+        ([[1.0, 2.0], [3.0]], UnsafeInput, "rectangular"),
+    ]:
+        with pytest.raises(exc, match=word):
+            clipped_sum(X, 1.0)
+    total, norms = clipped_sum([[3, 4], [0, 0]], 1.0)  # integers: float64
+    np.testing.assert_allclose(total, [0.6, 0.8], rtol=1e-12)
+    assert norms.tolist() == [5.0, 0.0]
+    half = np.array([[3.0, 4.0], [0.3, 0.4]], dtype=np.float16)  # other dtypes: via clip_rows
+    total, norms = clipped_sum(half, 1.0)
+    np.testing.assert_allclose(total, clip_rows(half, 1.0)[0].astype(np.float64).sum(axis=0))
+
+
+def test_clipped_sum_torch():
+    torch = pytest.importorskip("torch")
+    X = torch.randn(30, 9, dtype=torch.float32) * 3
+    total, norms = clipped_sum(X, 1.0)
+    rows, ref_norms = clip_rows(X, 1.0)
+    np.testing.assert_allclose(total, rows.double().sum(0).numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(norms, ref_norms)
+    total, norms = clipped_sum(torch.zeros(0, 4), 1.0)
+    assert total.tolist() == [0.0] * 4 and norms.shape == (0,)
+    with pytest.raises(UnsafeInput, match=r"X\[1\]"):
+        clipped_sum(torch.tensor([[1.0, 0.0], [float("nan"), 0.0]]), 1.0)
+
+
+def test_clipped_sum_makes_no_copy_of_the_matrix():
+    tracemalloc = pytest.importorskip("tracemalloc")
+    X = np.full((4000, 1000), 0.1, dtype=np.float32)  # 16 MB, every row clipped
+    tracemalloc.start()
+    total, _ = clipped_sum(X, 1.0)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert _norm64(total) == pytest.approx(4000.0, rel=1e-4)
+    assert peak < 0.25 * X.nbytes  # row norms, weights and 1 MB blocks only

@@ -149,3 +149,31 @@ def test_a_round_with_nobody_sampled_still_counts_under_flower() -> None:
     assert srv.epsilon() == pytest.approx(
         accountant("rdp").compose(SubsampledGaussianEvent(1.0, 0.02), 4).epsilon(1e-5)
     )
+
+
+def test_the_strategy_waits_for_the_population_then_refuses_a_wrong_one() -> None:
+    # Flower's simulation and SuperLink register nodes in the background: configure_fit first waits
+    # (up to wait_timeout) for num_clients nodes; a population that stays smaller is refused.
+    import threading
+
+    from flwr.server import SimpleClientManager
+    from flwr.server.compat.grid_client_proxy import GridClientProxy
+
+    from gaussdp.errors import InvalidParameter
+
+    strategy = DPFedAvgStrategy(_server(), wait_timeout=5)
+    params = ndarrays_to_parameters(_init())
+    manager = SimpleClientManager()
+
+    def register_later() -> None:
+        for i in range(N):
+            manager.register(GridClientProxy(i, None, 1))  # type: ignore[arg-type]
+
+    late = threading.Timer(0.2, register_later)
+    late.start()
+    instructions = strategy.configure_fit(1, params, manager)
+    late.join()
+    assert 0 < len(instructions) <= N
+    short = DPFedAvgStrategy(_server(), wait_timeout=0)
+    with pytest.raises(InvalidParameter, match="Flower knows 0 clients"):
+        short.configure_fit(1, params, SimpleClientManager())

@@ -11,7 +11,13 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from gaussdp import accounting  # noqa: E402
-from gaussdp.errors import InvalidParameter, NotPrivateWarning, UnsafeInput  # noqa: E402
+from gaussdp.errors import (  # noqa: E402
+    InvalidParameter,
+    NotPrivateWarning,
+    PrivacyError,
+    PrivacyWarning,
+    UnsafeInput,
+)
 from gaussdp.torch import DPDataLoader, PrivacyEngine, split_batch  # noqa: E402
 
 
@@ -130,6 +136,83 @@ def test_noise_level():
     se_std = 1 / math.sqrt(2 * n)
     assert abs(float(noise.std()) / expected - 1) < 5 * se_std
     assert abs(float(noise.mean())) < 5 * expected / math.sqrt(n)
+
+
+def _pure_noise_update(opt, model):
+    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    opt.step()  # no samples: the update is pure noise
+    return (before - torch.cat([p.detach().reshape(-1) for p in model.parameters()])).double()
+
+
+def test_noise_drawn_ahead_is_fresh_each_step_and_follows_the_noise_multiplier():
+    """The noise drawn on the worker thread: independent between steps (sample correlation within
+    5 standard errors of 0, false alarm ~6e-7), and redrawn at the new scale when the noise
+    multiplier changes between steps (std within 5 standard errors)."""
+    model = nn.Linear(100, 100)
+    with pytest.warns(NotPrivateWarning):
+        _, opt, dl = PrivacyEngine(seed=3).make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(TensorDataset(torch.randn(40, 100)), batch_size=8),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+    first, second = _pure_noise_update(opt, model), _pure_noise_update(opt, model)
+    n = first.numel()
+    assert abs(float(torch.corrcoef(torch.stack([first, second]))[0, 1])) < 5 / math.sqrt(n)
+    opt.noise_multiplier = 3.0
+    third = _pure_noise_update(opt, model)
+    expected = 3.0 / dl.expected_batch_size
+    assert abs(float(third.std()) / expected - 1) < 5 / math.sqrt(2 * n)
+
+
+def test_zero_grad_discards_sums_mixed_into_the_noise():
+    """A batch accumulated and then dropped by zero_grad() leaves nothing in the next release: with
+    negligible noise the update is the next batch's clipped sum alone."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    start = [p.detach().clone() for p in model.parameters()]
+    with pytest.warns((NotPrivateWarning, PrivacyWarning)):
+        _, opt, _ = PrivacyEngine(seed=4).make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=8),
+            noise_multiplier=1e-9,
+            max_grad_norm=10.0,
+            poisson_sampling=False,
+        )
+    xa, xb = torch.randn(8, 4) * 100, torch.randn(8, 4)
+    model(xa).sum().div(8).backward()  # a mean over the batch (loss_reduction="mean")
+    opt.zero_grad()
+    model(xb).sum().div(8).backward()
+    opt.step()
+    ref = nn.Linear(4, 2)
+    with torch.no_grad():
+        for r, s0 in zip(ref.parameters(), start, strict=True):
+            r.copy_(s0)
+    ref(xb).sum().div(8).backward()  # unclipped: every per-sample norm here is below 10
+    assert float(opt.clipper.last_norms.max()) < 10.0
+    for p, r, s0 in zip(model.parameters(), ref.parameters(), start, strict=True):
+        torch.testing.assert_close(s0 - p.detach(), r.grad, rtol=1e-5, atol=1e-6)
+    with pytest.raises(InvalidParameter, match="summed_grads"):
+        _ = opt.summed_grads
+
+
+def test_failed_noise_draw_releases_nothing(monkeypatch):
+    _, model, opt, loader = _setup(sigma=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def broken(out, std):
+        raise RuntimeError("entropy source unavailable")
+
+    opt.wait_for_noise()
+    monkeypatch.setattr(opt._ahead, "fill", broken)
+    opt._ahead.start(opt._noise_std())
+    x, y = next(iter(loader))
+    with pytest.raises(PrivacyError, match="noise"):  # when the sums would be added to the noise
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters(), strict=True))
 
 
 def test_trainable_parameters_missing_from_optimizer_refused():

@@ -289,6 +289,65 @@ def test_hooks_removed_leave_module_unchanged():
     assert model.weight.grad is not None
 
 
+class SelfAttentionBlock(nn.Module):
+    """Self-attention whose input needs a gradient (as after an embedding): the captured path."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, mask):
+        h = self.inp(x)
+        out, _ = self.attn(h, h, h, key_padding_mask=mask, need_weights=False)
+        return self.head(out).mean(1)
+
+
+def test_multihead_attention_from_its_graph_matches_brute_force(monkeypatch):
+    """The attention's own saved output and q/k/v gradients replace the recomputation; the norms and
+    clipped sums still match the per-example loop, and the captured path is the one taken."""
+    import gaussdp.torch._clipper as clipper_module
+
+    used = []
+    real = clipper_module.mha_captured_parts
+
+    def spy(*args):
+        used.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(clipper_module, "mha_captured_parts", spy)
+    torch.manual_seed(0)
+    mask = torch.zeros(5, 4, dtype=torch.bool)
+    mask[:2, -1] = True
+    check(SelfAttentionBlock(), [torch.randn(5, 4, 8), mask])
+    assert used, "the captured attention path was not used"
+
+
+def test_transformer_encoder_layer_captured_and_recomputed_agree(monkeypatch):
+    """Float32 TransformerEncoderLayer: captured and recomputed attention give the same clipped sums."""
+    import gaussdp.torch._clipper as clipper_module
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+    x = torch.randn(6, 5, 16, requires_grad=True)
+
+    def run():
+        clipper = PerSampleClipper(layer, max_grad_norm=295.0)  # norms are 275..306: some clipped
+        layer(x).square().sum().backward()
+        out = [clipper.summed[p].clone() for p in layer.parameters()], clipper.last_norms
+        clipper.remove()
+        return out
+
+    fast_sums, fast_norms = run()
+    monkeypatch.setattr(clipper_module, "mha_capture", lambda *a: None)
+    slow_sums, slow_norms = run()
+    assert float((slow_norms > 295.0).float().mean()) not in (0.0, 1.0)
+    torch.testing.assert_close(fast_norms, slow_norms, rtol=1e-5, atol=0.0)
+    for a, b in zip(fast_sums, slow_sums, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
+
+
 class CrossAttention(nn.Module):
     def __init__(self, **kw):
         super().__init__()

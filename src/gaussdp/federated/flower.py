@@ -77,13 +77,24 @@ class DPFedAvgStrategy(Strategy):
         server: the gaussdp server (its ``num_clients`` must equal the clients Flower knows).
         strategy: a ``FedAvg`` for ``initialize_parameters`` and evaluation (default ``FedAvg()``).
         server_lr: global += server_lr * released update.
+        wait_timeout: seconds each round waits for the ``num_clients`` clients to be registered
+            (Flower's simulation and SuperLink register nodes in the background) before the
+            population check.
     """
 
-    def __init__(self, server: Any, strategy: FedAvg | None = None, *, server_lr: float = 1.0) -> None:
+    def __init__(
+        self,
+        server: Any,
+        strategy: FedAvg | None = None,
+        *,
+        server_lr: float = 1.0,
+        wait_timeout: int = 600,
+    ) -> None:
         super().__init__()
         self.server = server
         self.inner = strategy if strategy is not None else FedAvg()
         self.server_lr = float(server_lr)
+        self.wait_timeout = int(wait_timeout)
         self._plan: Any = None
         self._ids: dict[str, int] = {}
         self._global: np.ndarray | None = None
@@ -113,6 +124,7 @@ class DPFedAvgStrategy(Strategy):
     ) -> list[tuple[ClientProxy, FitIns]]:
         """Check the budget (raises BudgetExhausted to stop training), Poisson-sample, send C."""
         self._set_global(parameters)
+        client_manager.wait_for(self.server.num_clients, timeout=self.wait_timeout)
         proxies = client_manager.all()
         if len(proxies) != self.server.num_clients:
             raise InvalidParameter(

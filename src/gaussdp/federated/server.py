@@ -80,10 +80,6 @@ class RoundResult:
     delta: float
 
 
-# Elements per block of rows clipped and summed at once (64 MB of float32).
-_BLOCK = 1 << 24
-
-
 def _round_seed(seed: int | None, round_num: int, stream: int) -> int | None:
     # Independent, reproducible streams per (round, purpose) when seeded; None = OS entropy.
     if seed is None:
@@ -277,22 +273,16 @@ class DPFedAvg:
             raise UnsafeInput(f"a client answered twice in round {plan.round_num}: answered={ids.tolist()}")
         u = self._check_deltas(deltas, ids.size)
         c = plan.clip_norm
-        from gaussdp.clipping import clip_rows
+        from gaussdp.clipping import clip_rows, clipped_sum
 
         if self.robust is not None and ids.size:
             clipped, seen = clip_rows(u, c)  # the robust rule needs every clipped row at once
             total = None
         else:
-            # Clip and sum in blocks of rows: each row is clipped on its own, so blocking changes
-            # nothing but the memory (no second [clients, params] copy) and the float64 sum order.
+            # Each row scaled by its own factor so that its contribution has norm <= C, summed
+            # without a clipped copy of the [clients, params] matrix (see clipped_sum).
             clipped = None
-            total = np.zeros(u.shape[1], dtype=np.float64)
-            seen = np.zeros(ids.size, dtype=np.float64)
-            step = max(1, _BLOCK // max(u.shape[1], 1))
-            for start in range(0, ids.size, step):
-                block, seen[start : start + step] = clip_rows(u[start : start + step], c)
-                # BLAS matrix-vector product in the data's dtype (fast), blocks accumulated in float64.
-                total += np.ones(block.shape[0], dtype=block.dtype) @ block
+            total, seen = clipped_sum(u, c)
         if norms is not None:
             reported = np.asarray(norms, dtype=np.float64).reshape(-1)
             if reported.shape != seen.shape or not np.isfinite(reported).all():

@@ -22,7 +22,7 @@ be clipped per sample: that fails closed with an error naming it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gaussdp.errors import InvalidParameter, PrivacyError, UnsafeInput
 from gaussdp.torch._parts import Part, combine
-from gaussdp.torch._rules import owned_parameters, rule_for, vmap_parts
+from gaussdp.torch._rules import mha_capture, mha_captured_parts, owned_parameters, rule_for, vmap_parts
 
 __all__ = ["PerSampleClipper"]
 
@@ -39,13 +39,14 @@ __all__ = ["PerSampleClipper"]
 class _Call:
     """One forward call of an owning module: its inputs and, after backward, its output gradients."""
 
-    __slots__ = ("args", "grads", "kwargs", "module", "used", "versions")
+    __slots__ = ("args", "capture", "grads", "kwargs", "module", "used", "versions")
 
     def __init__(self, module: nn.Module, args: tuple, kwargs: dict, n_out: int) -> None:
         self.module, self.args, self.kwargs = module, args, kwargs
         self.grads: list[torch.Tensor | None] = [None] * n_out
         self.used = False
         self.versions = _versions((args, kwargs))
+        self.capture: Any = None  # what the call's autograd graph offers (attention: see _rules)
 
     def check_unmodified(self) -> None:
         """The kept inputs must not have been changed in place since the forward call."""
@@ -91,6 +92,9 @@ class PerSampleClipper:
         self._batch: int | None = None
         self._anchor = torch.zeros((), requires_grad=True)
         self.summed: dict[nn.Parameter, torch.Tensor] = {}
+        # Called once per step before the first sum is accumulated: returns the tensors the sums are
+        # added into (the optimizer's noise, drawn ahead of time), or None to start from zero.
+        self.base_sums: Callable[[], dict[nn.Parameter, torch.Tensor]] | None = None
         # the sums are kept multiplied by this (the optimizer sets 1 / expected batch size, which
         # saves a pass over every gradient at each step)
         self.sum_scale = 1.0
@@ -156,6 +160,8 @@ class PerSampleClipper:
             p.requires_grad_(True)
         flat, spec = tree_flatten(output)
         call = _Call(module, _detach(args), _detach(kwargs), len(flat))
+        if isinstance(module, nn.MultiheadAttention):
+            call.capture = mha_capture(module, args, kwargs, output)
         changed = False
         for i, t in enumerate(flat):
             if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
@@ -197,7 +203,7 @@ class PerSampleClipper:
                 self._clip(done)
         finally:
             for c in done:
-                c.args, c.kwargs, c.grads = (), {}, []
+                c.args, c.kwargs, c.grads, c.capture = (), {}, [], None
 
     def check_no_plain_gradients(self) -> None:
         """Fail closed if any trainable parameter got an ordinary (unclipped) ``.grad``."""
@@ -217,7 +223,9 @@ class PerSampleClipper:
             c.check_unmodified()
             owned = self._owned[c.module]
             rule = rule_for(c.module)
-            if rule is None:
+            if c.capture is not None:
+                pairs = mha_captured_parts(c.module, c.args, c.kwargs, c.grads, owned, c.capture)
+            elif rule is None:
                 pairs = vmap_parts(c.module, c.args, c.kwargs, c.grads, owned, self.disabled)
             else:
                 pairs = rule(c.module, c.args, c.kwargs, c.grads, owned)
@@ -237,7 +245,7 @@ class PerSampleClipper:
             return  # an empty (Poisson) batch contributes nothing; the step still adds noise
         b, parts = self._parts(calls)
         for c in calls:  # the parts now hold what is needed; let the rest be freed early
-            c.args, c.kwargs, c.grads = (), {}, []
+            c.args, c.kwargs, c.grads, c.capture = (), {}, [], None
         if b == 0:
             return
         sq = None
@@ -253,13 +261,14 @@ class PerSampleClipper:
         w = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0) * (scale * self.sum_scale)
         # Each part is dropped once used, so what it stored is freed while the sums are allocated.
         # Parts that free the most per byte of sum they allocate go first: lowest peak memory.
+        if not self.summed and self.base_sums is not None:
+            self.summed = self.base_sums()  # the pre-drawn noise: the sums are added into it
         for p in sorted(parts, key=lambda q: -parts[q].stored() / q.numel()):
-            s = parts.pop(p).weighted_sum(w)
             prev = self.summed.get(p)
             if prev is None:
-                self.summed[p] = s
+                self.summed[p] = parts.pop(p).weighted_sum(w)
             else:
-                prev.add_(s)
+                parts.pop(p).weighted_sum(w, out=prev)  # in place: no temporary of its size
         self.samples += b
         self.last_norms = norms.detach()
 

@@ -26,6 +26,13 @@ def _sq(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t, dim=1).square()
 
 
+def _into(out: torch.Tensor | None, s: torch.Tensor) -> torch.Tensor:
+    """``s`` itself, or ``out += s`` (in place) when an accumulator is given."""
+    if out is None:
+        return s
+    return out.add_(s.view(out.shape))
+
+
 class DensePart:
     """A contribution given by its materialised per-sample gradients, shape ``(B, *param.shape)``."""
 
@@ -43,8 +50,12 @@ class DensePart:
     def sq_norms(self) -> torch.Tensor:
         return _sq(self.per_sample.flatten(1))
 
-    def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
-        return (w.to(self.per_sample.dtype) @ self.per_sample.flatten(1)).view(self.shape)
+    def weighted_sum(self, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``sum_i w_i G_i``; added in place into ``out`` when given (and ``out`` returned)."""
+        ps = self.per_sample.flatten(1)
+        if out is not None and out.dtype == ps.dtype and out.is_contiguous():
+            return out.view(-1).addmv_(ps.T, w.to(ps.dtype)).view(out.shape)
+        return _into(out, (w.to(ps.dtype) @ ps).view(self.shape))
 
     def materialise(self) -> torch.Tensor:
         return self.per_sample
@@ -106,9 +117,10 @@ class LinearPart:
         gram_g = torch.bmm(g, g.transpose(1, 2))
         return (gram_a * gram_g).flatten(1).sum(1)
 
-    def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
+    def weighted_sum(self, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``sum_i w_i G_i``; added in place into ``out`` when given (and ``out`` returned)."""
         if self._ps is not None:
-            return (w.to(self._ps.dtype) @ self._ps.flatten(1)).view(self.shape)
+            return DensePart(self._ps, self.shape).weighted_sum(w, out)
         a, g = _acc(self.a), _acc(self.g)
         w3 = w.to(g.dtype).view(-1, 1, 1)
         if g.shape[-1] <= a.shape[-1]:  # scale the smaller operand: one temporary of that size
@@ -116,8 +128,11 @@ class LinearPart:
         else:
             a = a * w3
         a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
-        out = a2.T @ g2 if self.transposed else g2.T @ a2
-        return out.view(self.shape)
+        left, right = (a2.T, g2) if self.transposed else (g2.T, a2)
+        if out is not None and out.dtype == left.dtype and out.is_contiguous():
+            # one GEMM with beta = 1: the sum lands in the accumulator, no temporary of its size
+            return out.view(left.shape[0], right.shape[1]).addmm_(left, right).view(out.shape)
+        return _into(out, (left @ right).view(self.shape))
 
     def materialise(self) -> torch.Tensor:
         return self._per_sample().reshape(self.batch_size, *self.shape)
@@ -158,9 +173,13 @@ class EmbeddingPart:
         out = torch.zeros(self.b, dtype=self.g.dtype, device=self.g.device)
         return out.index_add_(0, uniq // self.shape[0], _sq(rows))
 
-    def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(self.shape, dtype=self.g.dtype, device=self.g.device)
-        return out.index_add_(0, self.idx, self.g * w.to(self.g.dtype)[self.sample].unsqueeze(1))
+    def weighted_sum(self, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``sum_i w_i G_i``; added in place into ``out`` when given (and ``out`` returned)."""
+        rows = self.g * w.to(self.g.dtype)[self.sample].unsqueeze(1)
+        if out is not None and out.dtype == rows.dtype:
+            return out.index_add_(0, self.idx, rows)
+        s = torch.zeros(self.shape, dtype=self.g.dtype, device=self.g.device)
+        return _into(out, s.index_add_(0, self.idx, rows))
 
     def materialise(self) -> torch.Tensor:
         out = torch.zeros(self.b, *self.shape, dtype=self.g.dtype, device=self.g.device)
@@ -184,8 +203,17 @@ class StackedPart:
     def sq_norms(self) -> torch.Tensor:
         return torch.stack([b.sq_norms() for b in self.blocks]).sum(0)
 
-    def weighted_sum(self, w: torch.Tensor) -> torch.Tensor:
-        return torch.cat([b.weighted_sum(w) for b in self.blocks]).view(self.shape)
+    def weighted_sum(self, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``sum_i w_i G_i``; added in place into ``out`` when given (and ``out`` returned)."""
+        if out is not None and out.is_contiguous():
+            rows = out.view(-1, self.shape[-1])
+            start = 0
+            for b in self.blocks:  # each block owns consecutive rows of the packed weight
+                n = b.shape[0]
+                b.weighted_sum(w, rows[start : start + n])
+                start += n
+            return out
+        return _into(out, torch.cat([b.weighted_sum(w) for b in self.blocks]).view(self.shape))
 
     def materialise(self) -> torch.Tensor:
         return torch.cat([b.materialise() for b in self.blocks], dim=1).view(self.batch_size, *self.shape)

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from gaussdp.errors import UnsafeInput
 from gaussdp.torch._parts import DensePart, EmbeddingPart, LinearPart, Part, StackedPart
 
-__all__ = ["Rule", "owned_parameters", "rule_for"]
+__all__ = ["MHACapture", "Rule", "mha_capture", "mha_captured_parts", "owned_parameters", "rule_for"]
 
 Rule = Callable[[nn.Module, tuple, dict, list, dict], list[tuple[nn.Parameter, Part]]]
 
@@ -285,6 +285,114 @@ def _mha(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
         out.append((owned["out_proj.weight"], LinearPart(o.to(dtype), g_out, w_o.shape)))
     if g_out is not None and b_o is not None and "out_proj.bias" in owned:
         out.append((owned["out_proj.bias"], DensePart(g_out.sum(1), b_o.shape)))
+    return out
+
+
+class MHACapture:
+    """What one ``nn.MultiheadAttention`` call leaves in its autograd graph, to skip recomputing it.
+
+    For self-attention through ``scaled_dot_product_attention`` (``need_weights=False``, as in
+    ``nn.TransformerEncoderLayer``), the attention node already holds its output (the input of the
+    output projection, in head layout) and its backward receives the gradients of q, k and v, which
+    are the gradients of the packed input projection's output: between that projection and the
+    attention there are only views, transposes and a contiguous copy. A hook on the node keeps
+    those gradients, so the per-sample parts need no second forward or backward of the attention.
+    Any other shape of graph leaves ``None`` and the recomputing rule is used.
+    """
+
+    __slots__ = ("grads", "handle", "output")
+
+    def __init__(self, output: torch.Tensor, node: Any) -> None:
+        self.output = output.detach()
+        self.grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.handle = node.register_hook(self._keep)
+
+    def _keep(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        gq, gk, gv = grad_inputs[:3]
+        if gq is not None and gk is not None and gv is not None:
+            self.grads = (gq.detach(), gk.detach(), gv.detach())
+
+
+_MHA_NAMES = (
+    "query",
+    "key",
+    "value",
+    "key_padding_mask",
+    "need_weights",
+    "attn_mask",
+    "average_attn_weights",
+)
+
+
+def mha_capture(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> MHACapture | None:
+    """Hook the attention node of this call's graph when its layout is the one described above."""
+    m = module
+    if not (isinstance(m, nn.MultiheadAttention) and _mha_supported(m) and m._qkv_same_embed_dim):
+        return None
+    bound = dict(zip(_MHA_NAMES, args, strict=False))
+    bound.update(kwargs)
+    q = bound.get("query")
+    if not (
+        isinstance(q, torch.Tensor) and q.dim() == 3 and bound.get("key") is q and bound.get("value") is q
+    ):
+        return None
+    if bound.get("need_weights", True) or not isinstance(output, tuple) or output[1] is not None:
+        return None
+    out = output[0]
+    b, t, e = q.shape
+    h = m.num_heads
+    want = (b, h, t, e // h)
+    node, seen_out_proj = getattr(out, "grad_fn", None), False
+    for _ in range(6):  # transpose, view, addmm (out_proj), view, permute, then the attention
+        if node is None:
+            return None
+        mat2 = getattr(node, "_saved_mat2", None)
+        if isinstance(mat2, torch.Tensor) and mat2.data_ptr() == m.out_proj.weight.data_ptr():
+            seen_out_proj = True
+        if hasattr(node, "_saved_output") and hasattr(node, "_saved_query"):
+            break
+        if mat2 is not None and not seen_out_proj:
+            return None  # another matmul before the output projection: not the layout expected
+        nexts = [f for f, _ in node.next_functions if f is not None]
+        if len(nexts) != 1:
+            return None
+        node = nexts[0]
+    else:
+        return None
+    if not seen_out_proj or getattr(node, "_saved_scale", None) is not None:
+        return None
+    if getattr(node, "_saved_is_causal", False):
+        return None
+    saved = [getattr(node, f"_saved_{n}", None) for n in ("output", "query", "key", "value")]
+    if not all(isinstance(x, torch.Tensor) and tuple(x.shape) == want for x in saved):
+        return None
+    return MHACapture(saved[0], node)
+
+
+def mha_captured_parts(module, args, kwargs, grads, owned, cap):  # type: ignore[no-untyped-def]
+    """Parts of a self-attention call from its :class:`MHACapture` (no recomputation)."""
+    m: nn.MultiheadAttention = module
+    cap.handle.remove()
+    g_out = grads[0]
+    if g_out is None or cap.grads is None:
+        return []
+    x = args[0] if args else kwargs["query"]
+    b, t, e = x.shape
+
+    def tokens(z: torch.Tensor) -> torch.Tensor:  # (B, heads, T, head_dim) -> (B, T, E)
+        return z.permute(0, 2, 1, 3).reshape(b, t, e)
+
+    g_qkv = torch.cat([tokens(g) for g in cap.grads], dim=-1)  # rows of in_proj_weight: q, k, v
+    out: list[tuple[nn.Parameter, Part]] = []
+    if "in_proj_weight" in owned:
+        out.append((owned["in_proj_weight"], LinearPart(x, g_qkv, m.in_proj_weight.shape)))
+    if "in_proj_bias" in owned:
+        out.append((owned["in_proj_bias"], DensePart(g_qkv.sum(1), m.in_proj_bias.shape)))
+    if "out_proj.weight" in owned:
+        o = tokens(cap.output).to(torch.promote_types(x.dtype, torch.float32))
+        out.append((owned["out_proj.weight"], LinearPart(o, g_out, m.out_proj.weight.shape)))
+    if "out_proj.bias" in owned and m.out_proj.bias is not None:
+        out.append((owned["out_proj.bias"], DensePart(g_out.sum(1), m.out_proj.bias.shape)))
     return out
 
 
