@@ -6,11 +6,9 @@ feed-forward 1024, seq 64, batch 32) on token ids with an embedding and a classi
 
 Step = forward + backward + optimizer step (+ zero_grad), on the same fixed batch for every method.
 Time: median over interleaved repetitions of a block of consecutive steps per method (the methods
-take turns, so a busy machine slows them all alike; each block ends by waiting for the method's
-background work, which is counted), both wall-clock and CPU time; CPU time is the training
-thread's plus that of gaussdp's noise worker (which draws the next step's noise during
-forward/backward, see ``gaussdp.torch.optimizer``); with one torch thread (the default here) it
-is what the step costs, unaffected by other processes taking the cores. Memory: peak bytes of live
+take turns, so a busy machine slows them all alike), both wall-clock and CPU time (the training
+thread's ``thread_time``); with one torch thread (the default here) CPU time is what the step
+costs, unaffected by other processes taking the cores. Memory: peak bytes of live
 tensor storages (parameters, gradients, optimizer state, activations, temporaries) during one step,
 counted by a ``TorchDispatchMode`` that sees every op's outputs (``PeakMemory`` below; torch's own
 ``MemTracker`` cannot be used: it registers gradient hooks on parameters).
@@ -89,10 +87,6 @@ def make_case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
 def _ret(step: Callable[[], None], model: nn.Module, opt: Any, x: Any, y: Any, with_state: bool) -> Any:
     if not with_state:
-        # CPU seconds of helper threads (gaussdp draws the next step's noise on one), read after a step
-        if hasattr(opt, "noise_worker_cpu_seconds"):
-            step.helper_cpu = lambda: opt.noise_worker_cpu_seconds  # type: ignore[attr-defined]
-            step.sync = opt.wait_for_noise  # type: ignore[attr-defined]
         return step
 
     def live() -> list[torch.Tensor]:
@@ -219,12 +213,6 @@ def peak_bytes(method: str, case: str) -> int:
     return tracker.peak
 
 
-def _helper_cpu(step: Any) -> float:
-    """CPU seconds of the method's helper threads so far (the noise worker of gaussdp; 0 otherwise)."""
-    helper = getattr(step, "helper_cpu", None)
-    return 0.0 if helper is None else float(helper())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=15)
@@ -247,15 +235,11 @@ def main() -> None:
         cpu: dict[str, list[float]] = {m: [] for m in methods}
         for _ in range(args.reps):
             for m, s in steps.items():
-                # a block of consecutive steps, then a wait for background work: the noise gaussdp
-                # draws for the next step overlaps its own forward/backward, never another method's
-                h0 = _helper_cpu(s)
                 t0, c0 = time.perf_counter(), time.thread_time()
                 for _ in range(args.block):
                     s()
-                getattr(s, "sync", lambda: None)()
                 times[m].append((time.perf_counter() - t0) / args.block)
-                cpu[m].append((time.thread_time() - c0 + _helper_cpu(s) - h0) / args.block)
+                cpu[m].append((time.thread_time() - c0) / args.block)
         mem = {m: peak_bytes(m, case) for m in methods}
         base_t, base_c = statistics.median(times["plain"]), statistics.median(cpu["plain"])
         base_m = mem["plain"]

@@ -22,7 +22,7 @@ be clipped per sample: that fails closed with an error naming it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gaussdp.errors import InvalidParameter, PrivacyError, UnsafeInput
-from gaussdp.torch._parts import Part, combine
+from gaussdp.torch._parts import DensePart, LinearPart, Part, combine
 from gaussdp.torch._rules import mha_capture, mha_captured_parts, owned_parameters, rule_for, vmap_parts
 
 __all__ = ["PerSampleClipper"]
@@ -39,14 +39,33 @@ __all__ = ["PerSampleClipper"]
 class _Call:
     """One forward call of an owning module: its inputs and, after backward, its output gradients."""
 
-    __slots__ = ("args", "capture", "grads", "kwargs", "module", "used", "versions")
+    __slots__ = (
+        "args",
+        "capture",
+        "grads",
+        "kwargs",
+        "module",
+        "pairs",
+        "pending",
+        "reached",
+        "used",
+        "versions",
+    )
 
     def __init__(self, module: nn.Module, args: tuple, kwargs: dict, n_out: int) -> None:
         self.module, self.args, self.kwargs = module, args, kwargs
         self.grads: list[torch.Tensor | None] = [None] * n_out
         self.used = False
+        self.reached = False  # backward reached one of its outputs
+        self.pending = 0  # hooked outputs whose gradient has not arrived yet
         self.versions = _versions((args, kwargs))
         self.capture: Any = None  # what the call's autograd graph offers (attention: see _rules)
+        # (parameter, part, squared norms or None) once built, possibly during the backward pass
+        self.pairs: list[tuple[nn.Parameter, Part, torch.Tensor | None]] | None = None
+
+    def release(self) -> None:
+        """Drop the kept inputs and gradients (the parts hold what they need)."""
+        self.args, self.kwargs, self.grads, self.capture = (), {}, [], None
 
     def check_unmodified(self) -> None:
         """The kept inputs must not have been changed in place since the forward call."""
@@ -55,6 +74,13 @@ class _Call:
                 f"an input of {type(self.module).__name__} was modified in place after its forward "
                 "call; its per-sample gradients cannot be computed (use an out-of-place operation)"
             )
+
+
+def _compact(part: Part) -> Part:
+    """A linear part whose per-sample gradients are the cheaper form keeps only those."""
+    if isinstance(part, LinearPart) and part.a.shape[1] > 1 and part.materialises():
+        return DensePart(part.materialise(), part.shape)
+    return part
 
 
 def _versions(tree: Any) -> list[int]:
@@ -90,11 +116,9 @@ class PerSampleClipper:
         self._enabled = True
         self._queued = False
         self._batch: int | None = None
+        self._uses: dict[nn.Parameter, int] | None = None
         self._anchor = torch.zeros((), requires_grad=True)
         self.summed: dict[nn.Parameter, torch.Tensor] = {}
-        # Called once per step before the first sum is accumulated: returns the tensors the sums are
-        # added into (the optimizer's noise, drawn ahead of time), or None to start from zero.
-        self.base_sums: Callable[[], dict[nn.Parameter, torch.Tensor]] | None = None
         # the sums are kept multiplied by this (the optimizer sets 1 / expected batch size, which
         # saves a pass over every gradient at each step)
         self.sum_scale = 1.0
@@ -162,6 +186,8 @@ class PerSampleClipper:
         call = _Call(module, _detach(args), _detach(kwargs), len(flat))
         if isinstance(module, nn.MultiheadAttention):
             call.capture = mha_capture(module, args, kwargs, output)
+            if call.capture is not None:
+                call.capture.on_ready = lambda: self._maybe_early(call)
         changed = False
         for i, t in enumerate(flat):
             if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
@@ -170,6 +196,7 @@ class PerSampleClipper:
                 t = t + self._anchor.to(t.dtype)
                 flat[i], changed = t, True
             t.register_hook(self._grad_hook(call, i))
+            call.pending += 1
         if not self._calls:  # the first call of a forward pass sets its batch size
             first = next((t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)), None)
             self._batch = int(first.shape[0]) if first is not None and first.dim() else None
@@ -184,17 +211,47 @@ class PerSampleClipper:
                     "each sample's gradient may be clipped once per step (sum the losses instead)"
                 )
             call.grads[i] = grad.detach()
+            call.reached = True
+            call.pending -= 1
             if not self._queued:
                 self._queued = True
+                self._uses = None
                 torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+            self._maybe_early(call)
 
         return hook
+
+    def _maybe_early(self, call: _Call) -> None:
+        """Build a call's parts as soon as all its gradients are in, during the backward pass.
+
+        The rule's inputs (layer inputs, output gradients) can then be freed at once where the parts
+        keep less (LayerNorm, biases and materialised layers keep only per-sample gradients), and
+        the squared norms of a parameter used by this call alone are computed now, while its
+        tensors are fresh in cache. Parameters used by several calls (tied weights, a reused layer)
+        wait for the end of the pass: their parts must be combined before any norm is taken.
+        """
+        if call.pending or call.pairs is not None or call.used:
+            return
+        if call.capture is not None and call.capture.grads is None:
+            return  # the attention's q/k/v gradients arrive after its output's
+        grads = [g for g in call.grads if g is not None]
+        if not grads or any(g.dim() > 0 and g.shape[0] == 0 for g in grads):
+            return  # an empty batch: handled at the end of the pass
+        if self._uses is None:  # calls per parameter in the forward passes not yet processed
+            self._uses = {}
+            for c in self._calls:
+                if c.pairs is None:
+                    for q in self._owned[c.module].values():
+                        self._uses[q] = self._uses.get(q, 0) + 1
+        pairs = self._build(call)
+        call.pairs = [(p, part, part.sq_norms() if self._uses.get(p, 0) == 1 else None) for p, part in pairs]
 
     # ------------------------------------------------------------------------------ processing
     def _after_backward(self) -> None:
         self._queued = False
-        done = [c for c in self._calls if any(g is not None for g in c.grads)]
-        self._calls = [c for c in self._calls if c not in done]
+        self._uses = None
+        done = [c for c in self._calls if c.reached]
+        self._calls = [c for c in self._calls if not c.reached]
         for c in done:
             c.used = True
         try:
@@ -203,7 +260,8 @@ class PerSampleClipper:
                 self._clip(done)
         finally:
             for c in done:
-                c.args, c.kwargs, c.grads, c.capture = (), {}, [], None
+                c.release()
+                c.pairs = None
 
     def check_no_plain_gradients(self) -> None:
         """Fail closed if any trainable parameter got an ordinary (unclipped) ``.grad``."""
@@ -216,42 +274,58 @@ class PerSampleClipper:
                 "that owns them, so they cannot be clipped per sample; nothing was accumulated"
             )
 
-    def _parts(self, calls: list[_Call]) -> tuple[int, dict[nn.Parameter, Part]]:
-        by_param: dict[nn.Parameter, list[Part]] = {}
-        sizes = set()
-        for c in calls:
-            c.check_unmodified()
-            owned = self._owned[c.module]
+    def _build(self, c: _Call) -> list[tuple[nn.Parameter, Part]]:
+        """The per-parameter parts of one call (its kept inputs and gradients are then released)."""
+        c.check_unmodified()
+        owned = self._owned[c.module]
+        if c.capture is not None and c.capture.grads is not None:
+            pairs = mha_captured_parts(c.module, c.args, c.kwargs, c.grads, owned, c.capture)
+        else:
             rule = rule_for(c.module)
-            if c.capture is not None:
-                pairs = mha_captured_parts(c.module, c.args, c.kwargs, c.grads, owned, c.capture)
-            elif rule is None:
+            if rule is None:
                 pairs = vmap_parts(c.module, c.args, c.kwargs, c.grads, owned, self.disabled)
             else:
                 pairs = rule(c.module, c.args, c.kwargs, c.grads, owned)
-            for p, part in pairs:
+        c.release()
+        return [(p, _compact(part)) for p, part in pairs]
+
+    def _parts(self, calls: list[_Call]) -> tuple[int, dict[nn.Parameter, tuple[Part, torch.Tensor | None]]]:
+        by_param: dict[nn.Parameter, list[tuple[Part, torch.Tensor | None]]] = {}
+        sizes = set()
+        for c in calls:
+            pairs = c.pairs if c.pairs is not None else [(p, q, None) for p, q in self._build(c)]
+            c.pairs = None
+            for p, part, sq in pairs:
                 sizes.add(part.batch_size)
-                by_param.setdefault(p, []).append(part)
+                by_param.setdefault(p, []).append((part, sq))
         if len(sizes) > 1:
             raise UnsafeInput(
                 f"layers saw different batch sizes {sorted(sizes)} in one backward pass; per-sample "
                 "clipping needs the batch in dimension 0 of every layer input (batch_first=True)"
             )
         b = sizes.pop() if sizes else 0
-        return b, {p: combine(parts) for p, parts in by_param.items()}
+        out: dict[nn.Parameter, tuple[Part, torch.Tensor | None]] = {}
+        for p, items in by_param.items():
+            # a norm computed early is kept only for a parameter with a single part
+            out[p] = items[0] if len(items) == 1 else (combine([part for part, _ in items]), None)
+        return b, out
 
     def _clip(self, calls: list[_Call]) -> None:
-        if all(g.dim() > 0 and g.shape[0] == 0 for c in calls for g in c.grads if g is not None):
+        if all(
+            c.pairs is None and all(g.dim() > 0 and g.shape[0] == 0 for g in c.grads if g is not None)
+            for c in calls
+        ):
             return  # an empty (Poisson) batch contributes nothing; the step still adds noise
-        b, parts = self._parts(calls)
-        for c in calls:  # the parts now hold what is needed; let the rest be freed early
-            c.args, c.kwargs, c.grads, c.capture = (), {}, [], None
+        b, built = self._parts(calls)
         if b == 0:
             return
         sq = None
-        for part in parts.values():
-            s = part.sq_norms()
+        parts: dict[nn.Parameter, Part] = {}
+        for p, (part, early) in built.items():
+            s = early if early is not None else part.sq_norms()
             sq = s if sq is None else sq + s.to(sq.dtype)
+            parts[p] = part
+        del built
         assert sq is not None
         scale = float(b) if self.loss_reduction == "mean" else 1.0
         norms = sq.sqrt() * scale
@@ -261,8 +335,6 @@ class PerSampleClipper:
         w = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0) * (scale * self.sum_scale)
         # Each part is dropped once used, so what it stored is freed while the sums are allocated.
         # Parts that free the most per byte of sum they allocate go first: lowest peak memory.
-        if not self.summed and self.base_sums is not None:
-            self.summed = self.base_sums()  # the pre-drawn noise: the sums are added into it
         for p in sorted(parts, key=lambda q: -parts[q].stored() / q.numel()):
             prev = self.summed.get(p)
             if prev is None:
@@ -277,3 +349,4 @@ class PerSampleClipper:
         self.summed = {}
         self.samples = 0
         self._calls = []
+        self._uses = None

@@ -300,17 +300,20 @@ class MHACapture:
     Any other shape of graph leaves ``None`` and the recomputing rule is used.
     """
 
-    __slots__ = ("grads", "handle", "output")
+    __slots__ = ("grads", "handle", "on_ready", "output")
 
     def __init__(self, output: torch.Tensor, node: Any) -> None:
         self.output = output.detach()
         self.grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.on_ready: Any = None  # called once the gradients are kept
         self.handle = node.register_hook(self._keep)
 
     def _keep(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
         gq, gk, gv = grad_inputs[:3]
         if gq is not None and gk is not None and gv is not None:
             self.grads = (gq.detach(), gk.detach(), gv.detach())
+            if self.on_ready is not None:
+                self.on_ready()
 
 
 _MHA_NAMES = (
@@ -374,7 +377,7 @@ def mha_captured_parts(module, args, kwargs, grads, owned, cap):  # type: ignore
     m: nn.MultiheadAttention = module
     cap.handle.remove()
     g_out = grads[0]
-    if g_out is None or cap.grads is None:
+    if g_out is None or cap.grads is None:  # the caller recomputes when only g_out arrived
         return []
     x = args[0] if args else kwargs["query"]
     b, t, e = x.shape

@@ -5,27 +5,17 @@ One call of :meth:`DPOptimizer.step` is one release of the subsampled Gaussian m
 charged to the accountant *before* the noisy gradient is written, then the noisy sum is divided by
 the *expected* batch size ``q N`` (fixed denominator: dividing by the realised Poisson batch size
 would leak it).
-
-The noise does not depend on the data, so it is drawn ahead: right after a step (and at
-construction) the next step's noise buffers are allocated and a worker thread fills them while the
-model runs forward and backward (torch releases the GIL in its kernels). The clipped sums are then
-accumulated *into* those buffers, which become the gradients: no separate noise tensor, no extra
-pass. The draw costs the same CPU time as before, but off the critical path when a core is free.
-Nothing is released earlier: the buffers leave the optimizer only in :meth:`DPOptimizer.step`,
-after the charge.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from gaussdp.errors import InvalidParameter, PrivacyError, UnsafeInput
+from gaussdp.errors import InvalidParameter, UnsafeInput
 from gaussdp.torch._clipper import PerSampleClipper
 
 __all__ = ["DPOptimizer"]
@@ -80,13 +70,6 @@ class DPOptimizer(Optimizer):
             )
         self.params = [p for p in clipper.params]
         clipper.sum_scale = 1.0 / self.expected_batch_size  # sums arrive already averaged
-        # noise drawn ahead (only where noise is added: rank 0 of a distributed run)
-        self._ahead: _NoiseAhead | None = None
-        self._noise_in_sums = False
-        if self._noise_std() > 0 and _adds_noise():
-            self._ahead = _NoiseAhead(self.params, self._standard_normal_into)
-            self._ahead.start(self._noise_std())
-            clipper.base_sums = self._noise_for_clipper
 
     # delegation so that schedulers and checkpoints see the user's optimizer
     @property
@@ -117,26 +100,13 @@ class DPOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the clipped sums of a step not taken; gradients are always set to None."""
         self.clipper.reset()
-        if self._noise_in_sums:  # that noise was mixed with sums never released: draw afresh
-            self._noise_in_sums = False
-            assert self._ahead is not None
-            self._ahead.start(self._noise_std())
         for p in self.params:
             p.grad = None
         self.original_optimizer.zero_grad(set_to_none=True)
 
     @property
     def summed_grads(self) -> dict[torch.nn.Parameter, torch.Tensor]:
-        """Copies of the clipped per-sample gradient sums accumulated since the last step (no noise).
-
-        Only kept when no noise is added here (``noise_multiplier=0``, or a rank other than 0 of a
-        distributed run): otherwise the sums are accumulated into the pre-drawn noise.
-        """
-        if self._ahead is not None:
-            raise InvalidParameter(
-                "summed_grads (clipped sums without noise) is only kept when noise_multiplier=0: "
-                "with noise, the sums are accumulated into the noise drawn ahead"
-            )
+        """Copies of the clipped per-sample gradient sums accumulated since the last step (no noise)."""
         return {p: s * self.expected_batch_size for p, s in self.clipper.summed.items()}
 
     def _check_samples(self) -> None:
@@ -157,61 +127,32 @@ class DPOptimizer(Optimizer):
                 "(batch_first) and pass through backward once before step(); nothing was released"
             )
 
-    @property
-    def noise_worker_cpu_seconds(self) -> float:
-        """CPU seconds spent so far drawing noise on the background thread (for benchmarks)."""
-        return 0.0 if self._ahead is None else self._ahead.worker_cpu_seconds
-
-    def wait_for_noise(self) -> None:
-        """Wait until the noise being drawn ahead is ready (for timing; never needed otherwise)."""
-        if self._ahead is not None:
-            self._ahead.wait()
-
-    def _noise_std(self) -> float:
-        """Per-coordinate noise std on the averaged gradient: ``sigma C / (q N)``."""
-        return self.noise_multiplier * self.max_grad_norm / self.expected_batch_size
-
-    def _standard_normal_into(self, out: torch.Tensor, std: float) -> None:
-        """Fill ``out`` with ``N(0, std^2)`` from this optimizer's generator, in chunks."""
-        if isinstance(self.generator, torch.Generator) and out.device.type == "cpu":
-            out.normal_(0.0, std, generator=self.generator)
-            return
-        flat = out.view(-1)
-        step = max(1 << 18, flat.numel() // 16)
-        np_dtype = "float32" if out.dtype == torch.float32 else "float64"
-        for lo in range(0, flat.numel(), step):
-            part = flat[lo : lo + step]
-            n = part.numel()
-            if isinstance(self.generator, torch.Generator):
-                z = torch.randn(n, generator=self.generator, dtype=out.dtype)
-            else:
-                z = torch.from_numpy(self.generator.standard_normal(n, dtype=np_dtype))
-            # drawn on the host, scaled on the parameter's device
-            part.copy_(z.to(part.device)).mul_(std)
-
-    def _noise_for_clipper(self) -> dict[torch.nn.Parameter, torch.Tensor]:
-        assert self._ahead is not None
-        self._noise_in_sums = True
-        return self._ahead.take(self._noise_std())
+    def _standard_normal(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(self.generator, torch.Generator):
+            return torch.randn(n, generator=self.generator, dtype=dtype)
+        np_dtype = "float32" if dtype == torch.float32 else "float64"
+        return torch.from_numpy(self.generator.standard_normal(n, dtype=np_dtype)).to(dtype)
 
     def _noisy_sums(self) -> list[torch.Tensor]:
         """Averaged clipped sums plus N(0, (sigma C / qN)^2) per coordinate."""
-        summed = self.clipper.summed
-        if self._ahead is not None and not self._noise_in_sums:
-            summed = self._ahead.take(self._noise_std())  # no sample this step: the noise alone
+        std = self.noise_multiplier * self.max_grad_norm / self.expected_batch_size
+        add_noise = std > 0 and _adds_noise()
         out = []
         for p in self.params:
-            s = summed.get(p)
+            s = self.clipper.summed.get(p)
+            dtype = s.dtype if s is not None else torch.promote_types(p.dtype, torch.float32)
             if s is None:
-                s = torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
+                s = torch.zeros(p.shape, dtype=dtype, device=p.device)
+            if add_noise:
+                # in place and in chunks: the noise never needs a second full-size copy of the sum
+                flat = s.view(-1)
+                step = max(1 << 18, flat.numel() // 16)
+                for lo in range(0, flat.numel(), step):
+                    part = flat[lo : lo + step]
+                    # drawn on the host generator, added on the parameter's device
+                    part.add_(self._standard_normal(part.numel(), dtype).to(part.device), alpha=std)
             out.append(s)
         return out
-
-    def _write_grads(self) -> None:
-        noisy = self._noisy_sums()
-        _all_reduce(noisy)
-        for p, s in zip(self.params, noisy, strict=True):
-            p.grad = s.to(p.dtype)  # already divided by the expected batch size
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Charge one subsampled-Gaussian release, write noisy averaged gradients, take the step."""
@@ -222,7 +163,10 @@ class DPOptimizer(Optimizer):
         self.clipper.check_no_plain_gradients()
         self._check_samples()
         self._on_step()  # charge before release
-        self._write_grads()
+        noisy = self._noisy_sums()
+        _all_reduce(noisy)
+        for p, s in zip(self.params, noisy, strict=True):
+            p.grad = s.to(p.dtype)  # already divided by the expected batch size
         before = None
         if self._check_moved and self.steps == 0 and _moves(self.original_optimizer):
             before = [p.detach().clone() for p in self.params]
@@ -241,9 +185,6 @@ class DPOptimizer(Optimizer):
             self._batches_at_last_step = self._loader.batches_served
         for p in self.params:
             p.grad = None
-        if self._ahead is not None:  # the next step's noise, drawn while the model computes
-            self._noise_in_sums = False
-            self._ahead.start(self._noise_std())
         return loss
 
 
@@ -272,74 +213,3 @@ def _all_reduce(tensors: list[torch.Tensor]) -> None:
         n = t.numel()
         t.copy_(flat[offset : offset + n].view_as(t))
         offset += n
-
-
-class _NoiseAhead:
-    """The next step's Gaussian noise: buffers allocated by the caller, filled on a worker thread.
-
-    The buffers are allocated in :meth:`start` on the calling thread (so memory trackers and
-    allocators see them as the step's gradients); only the filling runs on the worker. CPU tensors
-    are filled in the background; others (a GPU) are filled in :meth:`take`, as before.
-    """
-
-    def __init__(self, params: list[torch.nn.Parameter], fill: Callable[[torch.Tensor, float], None]):
-        self.params = params
-        self.fill = fill
-        self.background = all(p.device.type == "cpu" for p in params)
-        self._bufs: dict[torch.nn.Parameter, torch.Tensor] | None = None
-        self._std = 0.0
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._filled = False
-        self.worker_cpu_seconds = 0.0  # CPU time of the worker threads (counted at each join)
-
-    def start(self, std: float) -> None:
-        """Allocate the buffers and start drawing ``N(0, std^2)`` into them."""
-        self._allocate(std)
-        if self.background:
-            self._thread = threading.Thread(target=self._run, name="gaussdp-noise")
-            self._thread.start()
-
-    def _allocate(self, std: float) -> None:
-        self._join()
-        self._bufs = {
-            p: torch.empty(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
-            for p in self.params
-        }
-        self._std, self._filled, self._error = std, False, None
-
-    def _run(self) -> None:
-        t0 = time.thread_time()
-        try:
-            assert self._bufs is not None
-            for b in self._bufs.values():
-                self.fill(b, self._std)
-            self._filled = True
-        except BaseException as exc:  # re-raised on the training thread by take()
-            self._error = exc
-        finally:
-            self.worker_cpu_seconds += time.thread_time() - t0
-
-    def wait(self) -> None:
-        """Block until the current draw (if any) is done."""
-        self._join()
-
-    def _join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def take(self, std: float) -> dict[torch.nn.Parameter, torch.Tensor]:
-        """The filled buffers (drawn now if needed, or again if the noise scale changed since)."""
-        self._join()
-        if self._error is not None:
-            err, self._error, self._bufs = self._error, None, None
-            raise PrivacyError("drawing the gradient noise failed; nothing was released") from err
-        if self._bufs is None or std != self._std:
-            self._allocate(std)
-        assert self._bufs is not None
-        if not self._filled:
-            for b in self._bufs.values():
-                self.fill(b, self._std)
-        bufs, self._bufs, self._filled = self._bufs, None, False
-        return bufs
