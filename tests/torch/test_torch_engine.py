@@ -117,24 +117,27 @@ def test_noise_level():
     """Noise std sigma*C/(qN) per coordinate. 5-sigma bounds on the sample std and mean: false-alarm
     rate about 1.1e-6 for this fixed seed's distribution (two two-sided normal tails at 5 SE)."""
     sigma, clip = 2.0, 0.5
+    model, opt, dl = _linear_100(11, sigma, clip)
+    noise = _pure_noise_update(opt, model)
+    n = noise.numel()
+    expected = sigma * clip / dl.expected_batch_size
+    se_std = 1 / math.sqrt(2 * n)
+    assert abs(float(noise.std()) / expected - 1) < 5 * se_std
+    assert abs(float(noise.mean())) < 5 * expected / math.sqrt(n)
+
+
+def _linear_100(seed, sigma, clip=1.0):
+    """A seeded (not private) engine on nn.Linear(100, 100), 40 rows, batches of 8 (q = 0.2)."""
     model = nn.Linear(100, 100)
     with pytest.warns(NotPrivateWarning):
-        engine = PrivacyEngine(seed=11)
-        _, opt, dl = engine.make_private(
+        _, opt, dl = PrivacyEngine(seed=seed).make_private(
             module=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
             data_loader=DataLoader(TensorDataset(torch.randn(40, 100)), batch_size=8),
             noise_multiplier=sigma,
             max_grad_norm=clip,
         )
-    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
-    opt.step()  # no samples: the update is pure noise
-    noise = (before - torch.cat([p.detach().reshape(-1) for p in model.parameters()])).double()
-    n = noise.numel()
-    expected = sigma * clip / dl.expected_batch_size
-    se_std = 1 / math.sqrt(2 * n)
-    assert abs(float(noise.std()) / expected - 1) < 5 * se_std
-    assert abs(float(noise.mean())) < 5 * expected / math.sqrt(n)
+    return model, opt, dl
 
 
 def _pure_noise_update(opt, model):
@@ -147,15 +150,7 @@ def test_noise_is_fresh_each_step_and_follows_the_noise_multiplier():
     """Independent noise between steps (sample correlation within 5 standard errors of 0, false
     alarm ~6e-7), at the new scale when the noise multiplier changes between steps (std within 5
     standard errors)."""
-    model = nn.Linear(100, 100)
-    with pytest.warns(NotPrivateWarning):
-        _, opt, dl = PrivacyEngine(seed=3).make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-            data_loader=DataLoader(TensorDataset(torch.randn(40, 100)), batch_size=8),
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-        )
+    model, opt, dl = _linear_100(3, 1.0)
     first, second = _pure_noise_update(opt, model), _pure_noise_update(opt, model)
     n = first.numel()
     assert abs(float(torch.corrcoef(torch.stack([first, second]))[0, 1])) < 5 / math.sqrt(n)
@@ -170,15 +165,7 @@ def test_noise_added_once_per_step_over_micro_batches():
     sigma*C/(qN) (not sqrt(2) times, not 0), within 5 SE. sigma is so large that the clipped data
     (norm <= C per sample) cannot move the sample std measurably."""
     sigma, clip = 1e4, 1.0
-    model = nn.Linear(100, 100)
-    with pytest.warns(NotPrivateWarning):
-        _, opt, dl = PrivacyEngine(seed=8).make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-            data_loader=DataLoader(TensorDataset(torch.randn(40, 100)), batch_size=8),
-            noise_multiplier=sigma,
-            max_grad_norm=clip,
-        )
+    model, opt, dl = _linear_100(8, sigma, clip)
     (x,) = next(iter(dl))
     assert len(x) > 1
     before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
