@@ -135,9 +135,19 @@ def l2_norm(name: str, x: Any) -> float:
 def _scale_numpy(name: str, arr: NDArray[Any], norm: float, clip_norm: float) -> NDArray[Any]:
     """``arr * (C / norm)`` in arr's dtype, shrunk until its float64 norm is at most C."""
     factor = clip_norm / norm
-    eps = float(np.finfo(arr.dtype).eps)
+    info = np.finfo(arr.dtype)
+    eps = float(info.eps)
     for _ in range(_MAX_SHRINKS):
-        out: NDArray[Any] = (arr * arr.dtype.type(factor)).astype(arr.dtype, copy=False)
+        if factor < float(info.tiny):
+            # C / norm is subnormal or zero in arr's dtype: first scale by the power of two of the
+            # norm (exact), then by C / mantissa, which is representable
+            k = math.frexp(norm)[1]
+            second = arr.dtype.type(
+                factor * math.ldexp(1.0, k) if factor > 0 else clip_norm / math.ldexp(norm, -k)
+            )
+            out: NDArray[Any] = (np.ldexp(arr, -k) * second).astype(arr.dtype, copy=False)
+        else:
+            out = (arr * arr.dtype.type(factor)).astype(arr.dtype, copy=False)
         got = _norm64(name, out)
         if got <= clip_norm:
             return out

@@ -342,3 +342,17 @@ def test_clipped_sum_makes_no_copy_of_the_matrix():
     tracemalloc.stop()
     assert _norm64(total) == pytest.approx(4000.0, rel=1e-4)
     assert peak < 0.25 * X.nbytes  # row norms, weights and 1 MB blocks only
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_clip_l2_factor_below_the_dtype_normal_range_keeps_the_direction(dtype):
+    """C / norm below the smallest number of the dtype: the row is scaled (by the norm's power of
+    two, then by C over the mantissa), not zeroed, and its norm is at most C."""
+    big = 1e30 if dtype == np.float32 else 1e300
+    c = 1e-20 if dtype == np.float32 else 1e-30  # C / norm = 1e-50 and 1e-330: zero in the dtype
+    x = np.array([big, -big / 2, 0.0], dtype=dtype)
+    out, norm = clip_l2(x, c)
+    assert out.dtype == dtype and norm > 0
+    got = float(np.linalg.norm(out.astype(np.float64)))
+    assert 0.99 * c <= got <= c
+    assert np.allclose(out.astype(np.float64) / got, x.astype(np.float64) / norm, rtol=1e-5)
