@@ -177,6 +177,34 @@ def test_noise_added_once_per_step_over_micro_batches():
     assert abs(float(noise.std()) / expected - 1) < 5 / math.sqrt(2 * noise.numel())
 
 
+def test_per_layer_clipping_through_the_engine():
+    """make_private(clipping="per_layer", max_grad_norm=[...]) as in Opacus: the noise std is
+    sigma * sqrt(sum C_p^2) / (qN) (5 SE), and a list of the wrong length is refused by name."""
+    model = nn.Linear(100, 100)
+    with pytest.warns(NotPrivateWarning):
+        _, opt, dl = PrivacyEngine(seed=9).make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(TensorDataset(torch.randn(40, 100)), batch_size=8),
+            noise_multiplier=2.0,
+            max_grad_norm=[0.3, 0.4],
+            clipping="per_layer",
+        )
+    assert opt.max_grad_norm == pytest.approx(0.5)
+    noise = _pure_noise_update(opt, model)
+    expected = 2.0 * 0.5 / dl.expected_batch_size
+    assert abs(float(noise.std()) / expected - 1) < 5 / math.sqrt(2 * noise.numel())
+    with pytest.raises(InvalidParameter, match="max_grad_norm has 1 bounds"):
+        PrivacyEngine().make_private(
+            module=nn.Linear(3, 2),
+            optimizer=torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=1.0),
+            data_loader=DataLoader(TensorDataset(torch.randn(8, 3)), batch_size=4),
+            noise_multiplier=1.0,
+            max_grad_norm=[1.0],
+            clipping="per_layer",
+        )
+
+
 def test_zero_grad_discards_accumulated_sums():
     """A batch accumulated and then dropped by zero_grad() leaves nothing in the next release: with
     negligible noise the update is the next batch's clipped sum alone."""

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from gaussdp.errors import PrivacyError  # noqa: E402
+from gaussdp.errors import InvalidParameter, PrivacyError  # noqa: E402
 from gaussdp.torch import PerSampleClipper  # noqa: E402
 from gaussdp.torch._parts import LinearPart  # noqa: E402
 
@@ -431,3 +431,63 @@ def test_hugging_face_gpt2_full_fine_tuning():
     model = transformers.GPT2LMHeadModel(config)
     assert model.lm_head.weight is model.transformer.wte.weight
     check(_Logits(model), [torch.randint(0, 30, (4, 8))], rtol=1e-8, atol=1e-9)
+
+
+def _per_layer_brute_force(model, x, bounds, loss):
+    params = _trainable(model)
+    ref = [torch.zeros_like(p) for p in params]
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(loss(model(x[i : i + 1])), params, allow_unused=True)
+        for r, g, b in zip(ref, grads, bounds, strict=True):
+            if g is not None:
+                r += g * min(1.0, b / (float(g.double().norm()) + 1e-6))
+    return ref
+
+
+@pytest.mark.parametrize(
+    "make, make_input",
+    [
+        (
+            lambda: nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 3)),
+            lambda: torch.randn(7, 4, 5),
+        ),
+        (
+            lambda: nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True),
+            lambda: torch.randn(6, 5, 8, requires_grad=True),  # attention read from its graph
+        ),
+        (Tied, lambda: torch.randint(0, 11, (6, 4))),  # a tied weight and a layer called twice
+    ],
+)
+def test_per_layer_clipping_matches_brute_force(make, make_input):
+    """Per-layer clipping: each parameter's per-sample gradient clipped to its own bound (summed
+    during backward, or at its end for the tied weight), against the per-example loop in float64."""
+    torch.manual_seed(0)
+    model = make().double()
+    x = make_input()
+    x = x.double().detach().requires_grad_(x.requires_grad) if x.is_floating_point() else x
+    n = len(_trainable(model))
+    bounds = [0.05 * (k + 1) for k in range(n)]
+
+    def loss(out):
+        return out.square().sum()
+
+    clipper = PerSampleClipper(model, max_grad_norm=bounds, clipping="per_layer", loss_reduction="sum")
+    loss(model(x)).backward()
+    sums = [clipper.summed.get(p, torch.zeros_like(p)) for p in _trainable(model)]
+    clipper.remove()
+    ref = _per_layer_brute_force(model, x, bounds, loss)
+    assert clipper.max_grad_norm == pytest.approx(sum(b * b for b in bounds) ** 0.5)
+    for s, r in zip(sums, ref, strict=True):
+        torch.testing.assert_close(s, r, rtol=1e-9, atol=1e-10)
+
+
+def test_per_layer_bounds_refused_when_wrong():
+    model = nn.Linear(3, 2)
+    with pytest.raises(InvalidParameter, match="2 trainable parameters"):
+        PerSampleClipper(model, max_grad_norm=[1.0], clipping="per_layer")
+    with pytest.raises(InvalidParameter, match=r"max_grad_norm\[1\]"):
+        PerSampleClipper(model, max_grad_norm=[1.0, -1.0], clipping="per_layer")
+    with pytest.raises(InvalidParameter, match="clipping"):
+        PerSampleClipper(model, max_grad_norm=1.0, clipping="per_sample")
+    shared = PerSampleClipper(model, max_grad_norm=2.0, clipping="per_layer")
+    assert shared.max_grad_norm == pytest.approx(2.0)  # C / sqrt(2) for each of the two parameters

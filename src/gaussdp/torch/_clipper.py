@@ -22,13 +22,15 @@ be clipped per sample: that fails closed with an error naming it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from gaussdp._validate import check_positive
 from gaussdp.errors import InvalidParameter, PrivacyError, UnsafeInput
 from gaussdp.torch._parts import DensePart, LinearPart, Part, combine
 from gaussdp.torch._rules import mha_capture, mha_captured_parts, owned_parameters, rule_for, vmap_parts
@@ -97,19 +99,53 @@ class PerSampleClipper:
 
     Args:
         module: the model; hooks are registered on its submodules, the module itself is unchanged.
-        max_grad_norm: clip bound ``C`` on each sample's gradient (all trainable parameters together).
+        max_grad_norm: ``"flat"``: the clip bound ``C`` on each sample's gradient over all trainable
+            parameters together. ``"per_layer"``: one bound per trainable parameter (in
+            ``module.parameters()`` order), or one number ``C`` shared as ``C / sqrt(n)`` by the
+            ``n`` parameters; either way each sample's whole gradient has norm at most
+            ``sqrt(sum C_p^2)``, which is :attr:`max_grad_norm` (the sensitivity the noise uses).
         loss_reduction: ``"mean"`` if the loss averages over the batch (the output gradients are then
             rescaled by the batch size to recover each sample's gradient), ``"sum"`` otherwise.
+        clipping: ``"flat"`` (default; Abadi et al. 2016) or ``"per_layer"`` (McMahan et al. 2018):
+            each parameter's per-sample gradient is clipped to its own bound, so its clipped sum is
+            formed as soon as its layer's backward is done and nothing waits for the end of the pass
+            (peak memory close to non-private training; tied or reused parameters still wait).
     """
 
-    def __init__(self, module: nn.Module, *, max_grad_norm: float, loss_reduction: str = "mean") -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        max_grad_norm: float | Sequence[float],
+        loss_reduction: str = "mean",
+        clipping: str = "flat",
+    ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise InvalidParameter(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if clipping not in ("flat", "per_layer"):
+            raise InvalidParameter(f"clipping must be 'flat' or 'per_layer', got clipping={clipping!r}")
         self.module = module
-        self.max_grad_norm = float(max_grad_norm)
         self.loss_reduction = loss_reduction
+        self.clipping = clipping
         self.names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self._bounds: dict[nn.Parameter, float] = {}
+        if clipping == "flat":
+            self.max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+        else:
+            if isinstance(max_grad_norm, Sequence):
+                if len(max_grad_norm) != len(self.params):
+                    raise InvalidParameter(
+                        f"max_grad_norm has {len(max_grad_norm)} bounds for {len(self.params)} trainable "
+                        "parameters (per_layer clipping needs one per parameter, or one number)"
+                    )
+                bounds = [check_positive(f"max_grad_norm[{i}]", c) for i, c in enumerate(max_grad_norm)]
+            else:
+                c = check_positive("max_grad_norm", max_grad_norm)
+                bounds = [c / math.sqrt(max(1, len(self.params)))] * len(self.params)
+            self._bounds = dict(zip(self.params, bounds, strict=True))
+            self.max_grad_norm = math.sqrt(sum(b * b for b in bounds))
+        self.poisoned = False  # a backward pass failed half-way: no step until the sums are reset
         self._owned: dict[nn.Module, dict[str, nn.Parameter]] = {}
         self._handles: list[Any] = []
         self._calls: list[_Call] = []
@@ -243,8 +279,22 @@ class PerSampleClipper:
                 if c.pairs is None:
                     for q in self._owned[c.module].values():
                         self._uses[q] = self._uses.get(q, 0) + 1
-        pairs = self._build(call)
-        call.pairs = [(p, part, part.sq_norms() if self._uses.get(p, 0) == 1 else None) for p, part in pairs]
+        try:
+            pairs = self._build(call)
+            call.pairs = []
+            for p, part in pairs:
+                if self._uses.get(p, 0) != 1:
+                    call.pairs.append((p, part, None))
+                    continue
+                sq = part.sq_norms()
+                if self.clipping == "per_layer":  # its own bound: summed now, nothing kept
+                    self._sum_layer(p, part, sq)
+                    call.pairs.append((p, None, sq))
+                else:
+                    call.pairs.append((p, part, sq))
+        except BaseException:
+            self.poisoned = True
+            raise
 
     # ------------------------------------------------------------------------------ processing
     def _after_backward(self) -> None:
@@ -258,13 +308,22 @@ class PerSampleClipper:
             self.check_no_plain_gradients()
             if done:
                 self._clip(done)
+        except BaseException:
+            self.poisoned = True
+            raise
         finally:
             for c in done:
                 c.release()
                 c.pairs = None
 
     def check_no_plain_gradients(self) -> None:
-        """Fail closed if any trainable parameter got an ordinary (unclipped) ``.grad``."""
+        """Fail closed if any trainable parameter got an ordinary (unclipped) ``.grad``, or if a
+        backward pass failed after some sums were formed."""
+        if self.poisoned:
+            raise PrivacyError(
+                "a backward pass failed after per-sample sums were started; call zero_grad() before "
+                "the next step (nothing was released)"
+            )
         leaked = [self.names[id(p)] for p in self.params if p.grad is not None]
         if leaked:
             for p in self.params:
@@ -289,14 +348,16 @@ class PerSampleClipper:
         c.release()
         return [(p, _compact(part)) for p, part in pairs]
 
-    def _parts(self, calls: list[_Call]) -> tuple[int, dict[nn.Parameter, tuple[Part, torch.Tensor | None]]]:
-        by_param: dict[nn.Parameter, list[tuple[Part, torch.Tensor | None]]] = {}
+    def _parts(
+        self, calls: list[_Call]
+    ) -> tuple[int, dict[nn.Parameter, tuple[Part | None, torch.Tensor | None]]]:
+        by_param: dict[nn.Parameter, list[tuple[Part | None, torch.Tensor | None]]] = {}
         sizes = set()
         for c in calls:
             pairs = c.pairs if c.pairs is not None else [(p, q, None) for p, q in self._build(c)]
             c.pairs = None
             for p, part, sq in pairs:
-                sizes.add(part.batch_size)
+                sizes.add(part.batch_size if part is not None else int(sq.shape[0]))
                 by_param.setdefault(p, []).append((part, sq))
         if len(sizes) > 1:
             raise UnsafeInput(
@@ -304,10 +365,14 @@ class PerSampleClipper:
                 "clipping needs the batch in dimension 0 of every layer input (batch_first=True)"
             )
         b = sizes.pop() if sizes else 0
-        out: dict[nn.Parameter, tuple[Part, torch.Tensor | None]] = {}
+        out: dict[nn.Parameter, tuple[Part | None, torch.Tensor | None]] = {}
         for p, items in by_param.items():
-            # a norm computed early is kept only for a parameter with a single part
-            out[p] = items[0] if len(items) == 1 else (combine([part for part, _ in items]), None)
+            # a norm computed early is kept only for a parameter with a single part; a part of None
+            # was summed already (per-layer clipping)
+            if len(items) == 1:
+                out[p] = items[0]
+            else:
+                out[p] = (combine([part for part, _ in items if part is not None]), None)
         return b, out
 
     def _clip(self, calls: list[_Call]) -> None:
@@ -322,12 +387,18 @@ class PerSampleClipper:
         sq = None
         parts: dict[nn.Parameter, Part] = {}
         for p, (part, early) in built.items():
-            s = early if early is not None else part.sq_norms()
+            assert part is not None or early is not None
+            s = early if early is not None else part.sq_norms()  # type: ignore[union-attr]
             sq = s if sq is None else sq + s.to(sq.dtype)
-            parts[p] = part
+            if part is None:
+                continue
+            if self.clipping == "per_layer":
+                self._sum_layer(p, part, s)
+            else:
+                parts[p] = part
         del built
         assert sq is not None
-        scale = float(b) if self.loss_reduction == "mean" else 1.0
+        scale = self._scale(b)
         norms = sq.sqrt() * scale
         if not bool(torch.isfinite(norms).all()):
             raise UnsafeInput("per-sample gradient norms contain NaN or Inf; nothing was accumulated")
@@ -336,13 +407,31 @@ class PerSampleClipper:
         # Each part is dropped once used, so what it stored is freed while the sums are allocated.
         # Parts that free the most per byte of sum they allocate go first: lowest peak memory.
         for p in sorted(parts, key=lambda q: -parts[q].stored() / q.numel()):
-            prev = self.summed.get(p)
-            if prev is None:
-                self.summed[p] = parts.pop(p).weighted_sum(w)
-            else:
-                parts.pop(p).weighted_sum(w, out=prev)  # in place: no temporary of its size
+            self._accumulate(p, parts.pop(p), w)
         self.samples += b
         self.last_norms = norms.detach()
+
+    def _scale(self, b: int) -> float:
+        """Per-sample gradients are ``scale`` times the output gradients (the mean's 1/B undone)."""
+        return float(b) if self.loss_reduction == "mean" else 1.0
+
+    def _accumulate(self, p: nn.Parameter, part: Part, w: torch.Tensor) -> None:
+        prev = self.summed.get(p)
+        if prev is None:
+            self.summed[p] = part.weighted_sum(w)
+        else:
+            part.weighted_sum(w, out=prev)  # in place: no temporary of its size
+
+    def _sum_layer(self, p: nn.Parameter, part: Part, sq: torch.Tensor) -> None:
+        """Per-layer clipping: ``p``'s per-sample gradients clipped to its own bound, then summed."""
+        scale = self._scale(part.batch_size)
+        norms = sq.sqrt() * scale
+        if not bool(torch.isfinite(norms).all()):
+            raise UnsafeInput(
+                f"per-sample gradient norms of {self.names[id(p)]} contain NaN or Inf; step refused"
+            )
+        w = (self._bounds[p] / (norms + 1e-6)).clamp(max=1.0) * (scale * self.sum_scale)
+        self._accumulate(p, part, w)
 
     def reset(self) -> None:
         """Forget accumulated sums and pending calls (after an optimizer step)."""
@@ -350,3 +439,4 @@ class PerSampleClipper:
         self.samples = 0
         self._calls = []
         self._uses = None
+        self.poisoned = False

@@ -16,6 +16,7 @@ References:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -77,10 +78,11 @@ class PrivacyEngine:
         optimizer: Optimizer,
         data_loader: DataLoader,
         noise_multiplier: float,
-        max_grad_norm: float,
+        max_grad_norm: float | Sequence[float],
         poisson_sampling: bool = True,
         loss_reduction: str = "mean",
         batch_first: bool = True,
+        clipping: str = "flat",
         **_opacus_only: Any,
     ) -> tuple[nn.Module, DPOptimizer, DataLoader]:
         """Hooks on ``module`` (returned unchanged), a DP optimizer and a Poisson data loader.
@@ -92,11 +94,17 @@ class PrivacyEngine:
             data_loader: its dataset and collate function are reused; its batch size ``b`` sets the
                 sample rate ``q = 1 / len(data_loader)`` (about ``b / N``).
             noise_multiplier: ``sigma >= 0``; noise std on the clipped sum is ``sigma * max_grad_norm``.
-            max_grad_norm: per-sample clip bound ``C > 0`` over all trainable parameters.
+            max_grad_norm: per-sample clip bound ``C > 0`` over all trainable parameters; with
+                ``clipping="per_layer"`` also a list of one bound per trainable parameter.
             poisson_sampling: True (the accountant's assumption). False keeps the user's loader and
                 warns: the epsilon reported is then not a proven bound.
             loss_reduction: "mean" (default) or "sum", how the loss combines the batch.
             batch_first: must be True: the batch is dimension 0 of every layer input.
+            clipping: ``"flat"`` (default) or ``"per_layer"`` (as in Opacus): each parameter's
+                per-sample gradient clipped to its own bound (``C / sqrt(n)`` each for one number
+                ``C``), so its clipped sum is formed during backward and peak memory stays close
+                to non-private training. The noise uses the whole-gradient bound
+                ``sqrt(sum C_p^2)``, so the accounting is unchanged.
             grad_sample_mode: accepted for Opacus compatibility and ignored (gaussdp picks per
                 layer between ghost norms and per-sample gradients); other Opacus-only
                 arguments are refused with TypeError.
@@ -120,7 +128,8 @@ class PrivacyEngine:
         sigma = real_number("noise_multiplier", noise_multiplier)
         if sigma < 0:
             raise InvalidParameter(f"noise_multiplier must be >= 0, got noise_multiplier={sigma}")
-        clip = check_positive("max_grad_norm", max_grad_norm)
+        if clipping == "flat" or not isinstance(max_grad_norm, Sequence):
+            check_positive("max_grad_norm", max_grad_norm)  # lists are checked by the clipper
         if self.clipper is not None:
             raise InvalidParameter("this PrivacyEngine already made a model private; use a new engine")
         if not any(p.requires_grad for p in module.parameters()):
@@ -149,7 +158,9 @@ class PrivacyEngine:
             loader = data_loader
             sample_rate = 1.0 / len(data_loader)
             expected = float(data_loader.batch_size or 1) * world
-        clipper = PerSampleClipper(module, max_grad_norm=clip, loss_reduction=loss_reduction)
+        clipper = PerSampleClipper(
+            module, max_grad_norm=max_grad_norm, loss_reduction=loss_reduction, clipping=clipping
+        )
         noise_seed = None if self.seed is None else self.seed + 2 * rank + 1
         try:
             dp_optimizer = DPOptimizer(
@@ -177,7 +188,7 @@ class PrivacyEngine:
         target_epsilon: float,
         target_delta: float,
         epochs: int,
-        max_grad_norm: float,
+        max_grad_norm: float | Sequence[float],
         **kwargs: Any,
     ) -> tuple[nn.Module, DPOptimizer, DataLoader]:
         """As :meth:`make_private`, with the smallest noise that keeps ``epochs`` epochs within
