@@ -14,6 +14,7 @@ from gaussdp import accounting  # noqa: E402
 from gaussdp.errors import (  # noqa: E402
     InvalidParameter,
     NotPrivateWarning,
+    PrivacyError,
     PrivacyWarning,
     UnsafeInput,
 )
@@ -203,6 +204,33 @@ def test_per_layer_clipping_through_the_engine():
             max_grad_norm=[1.0],
             clipping="per_layer",
         )
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_failed_backward_blocks_the_step_until_zero_grad(clipping):
+    """NaN gradients fail the backward pass; step() then refuses (nothing released) until
+    zero_grad(), even where some per-layer sums were already formed."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    with pytest.warns(NotPrivateWarning):
+        _, opt, dl = PrivacyEngine(seed=12).make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_data(), batch_size=16),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            clipping=clipping,
+        )
+    x, y = next(iter(dl))
+    assert len(x) > 0
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(UnsafeInput, match="NaN"):
+        (nn.functional.cross_entropy(model(x), y) * float("nan")).backward()
+    with pytest.raises(PrivacyError, match="zero_grad"):
+        opt.step()
+    assert all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters(), strict=True))
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
 
 
 def test_zero_grad_discards_accumulated_sums():

@@ -293,7 +293,8 @@ class PerSampleClipper:
                 else:
                     call.pairs.append((p, part, sq))
         except BaseException:
-            self.poisoned = True
+            # the failed pass's end-of-pass callback never runs: the next pass must queue its own
+            self.poisoned, self._queued = True, False
             raise
 
     # ------------------------------------------------------------------------------ processing
@@ -440,3 +441,4 @@ class PerSampleClipper:
         self._calls = []
         self._uses = None
         self.poisoned = False
+        self._queued = False
