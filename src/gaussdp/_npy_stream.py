@@ -25,7 +25,7 @@ import numpy as np
 
 from gaussdp import mechanism as _mechanism
 from gaussdp._rows import SEED_BLOCK_ROWS, check_seed, noise_rows, release_epsilon
-from gaussdp._validate import check_delta, check_epsilon, check_positive
+from gaussdp._validate import check_choice, check_delta, check_epsilon, check_positive
 from gaussdp.clipping import clip_rows
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, UnsafeInput
 from gaussdp.noise import NoiseSource, SourceKind, noise_source
@@ -191,8 +191,7 @@ def sanitize_npy(
         isinstance(chunk_rows, bool) or not isinstance(chunk_rows, numbers.Integral) or chunk_rows <= 0
     ):
         raise InvalidParameter(f"chunk_rows must be a positive int, got chunk_rows={chunk_rows!r}")
-    if noise not in ("secure", "fast"):
-        raise InvalidParameter(f"noise must be 'secure' or 'fast', got noise={noise!r}")
+    check_choice("noise", noise, ("secure", "fast"))
     if workers is not None and (
         isinstance(workers, bool) or not isinstance(workers, numbers.Integral) or workers <= 0
     ):

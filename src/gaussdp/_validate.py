@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from typing import Any
 
 from gaussdp.errors import InvalidParameter
 
-__all__ = ["check_delta", "check_epsilon", "check_positive", "check_probability", "real_number"]
+__all__ = [
+    "check_choice",
+    "check_delta",
+    "check_epsilon",
+    "check_positive",
+    "check_probability",
+    "real_number",
+]
 
 
 def real_number(name: str, value: Any) -> float:
@@ -48,3 +56,19 @@ def check_probability(name: str, value: Any) -> float:
     if not 0.0 < out <= 1.0:
         raise InvalidParameter(f"{name} must be in (0, 1], got {name}={value!r}")
     return out
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> Any:
+    """One of ``choices`` (strings); InvalidParameter naming the argument otherwise.
+
+    >>> check_choice("noise", "fast", ("secure", "fast"))
+    'fast'
+    >>> check_choice("noise", "numpy", ("secure", "fast"))
+    Traceback (most recent call last):
+    ...
+    gaussdp.errors.InvalidParameter: noise must be 'secure' or 'fast', got noise='numpy'
+    """
+    if not isinstance(value, str) or value not in choices:
+        listed = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
+        raise InvalidParameter(f"{name} must be {listed}, got {name}={value!r}")
+    return value

@@ -47,9 +47,9 @@ from typing import Any
 import numpy as np
 
 from gaussdp import mechanism as _mechanism
-from gaussdp._validate import check_delta, check_epsilon, check_positive
+from gaussdp._validate import check_choice, check_delta, check_epsilon, check_positive
 from gaussdp.clipping import clip_tree
-from gaussdp.errors import InvalidParameter, NotPrivateWarning, UnsafeInput
+from gaussdp.errors import NotPrivateWarning, UnsafeInput
 from gaussdp.noise import SourceKind
 
 __all__ = ["GaussianDifferentialPrivacy"]
@@ -154,8 +154,7 @@ class GaussianDifferentialPrivacy:
         self._clip_norm = check_positive("clip_norm", clip_norm)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
             raise TypeError(f"seed must be an int or None, got seed={seed!r} ({type(seed).__name__})")
-        if noise not in ("secure", "fast"):
-            raise InvalidParameter(f"noise must be 'secure' or 'fast', got noise={noise!r}")
+        check_choice("noise", noise, ("secure", "fast"))
         self._seed = None if seed is None else int(seed)
         self._noise: SourceKind = noise
         self._calls = 0

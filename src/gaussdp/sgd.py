@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from gaussdp import mechanism as _mechanism
-from gaussdp._validate import check_delta, check_epsilon, check_positive, check_probability
+from gaussdp._validate import check_choice, check_delta, check_epsilon, check_positive, check_probability
 from gaussdp.clipping import clip_rows, clip_tree
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, UnsafeInput
 from gaussdp.noise import SourceKind
@@ -161,8 +161,7 @@ class PrivacyManager:
             if expected_batch_size is None
             else check_positive("expected_batch_size", expected_batch_size)
         )
-        if noise not in ("secure", "fast"):
-            raise InvalidParameter(f"noise must be 'secure' or 'fast', got noise={noise!r}")
+        check_choice("noise", noise, ("secure", "fast"))
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
             raise TypeError(f"seed must be an int or None, got seed={seed!r}")
         self.accountant_name = accountant
@@ -234,10 +233,8 @@ class PrivacyManager:
             if required not in block and required not in overrides:
                 raise InvalidParameter(f"privacy config needs '{required}'")
         composition = block.get("composition")
-        if composition is not None and composition not in ("basic", "advanced"):
-            raise InvalidParameter(
-                f"composition must be 'basic' or 'advanced', got composition={composition!r}"
-            )
+        if composition is not None:
+            check_choice("composition", composition, ("basic", "advanced"))
         kwargs: dict[str, Any] = {
             k: _float_from_config(k, block[k])
             for k in ("epsilon", "delta", "clip_norm", "sample_rate", "expected_batch_size")

@@ -28,7 +28,14 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gaussdp._validate import check_delta, check_epsilon, check_positive, check_probability, real_number
+from gaussdp._validate import (
+    check_choice,
+    check_delta,
+    check_epsilon,
+    check_positive,
+    check_probability,
+    real_number,
+)
 from gaussdp.accounting.advanced import advanced_bound
 from gaussdp.accounting.base import Accountant
 from gaussdp.accounting.base import accountant as make_accountant
@@ -593,8 +600,7 @@ class PrivacyBudgetTracker:
     ) -> None:
         self.max_epsilon = check_epsilon(max_epsilon, "max_epsilon")
         self.delta = check_delta(delta)
-        if policy not in ("refuse", "warn"):
-            raise InvalidParameter(f"policy must be 'refuse' or 'warn', got policy={policy!r}")
+        check_choice("policy", policy, ("refuse", "warn"))
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, got prefix={prefix!r}")
         self.policy = policy

@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from gaussdp._validate import check_choice
 from gaussdp.budget._compose import Composer, event_dict, event_key
 from gaussdp.budget._types import Budget, ChargeRecord, Receipt, Spent
 from gaussdp.budget.store import (
@@ -74,8 +75,7 @@ class Ledger:
         store: Store | None = None,
         cache_size: int = 4096,
     ) -> None:
-        if policy not in ("refuse", "warn"):
-            raise InvalidParameter(f"policy must be 'refuse' or 'warn', got policy={policy!r}")
+        check_choice("policy", policy, ("refuse", "warn"))
         self.url = url if store is None else f"<{type(store).__name__}>"
         self.policy: Policy = policy
         self.store: Store = store if store is not None else open_store(url)

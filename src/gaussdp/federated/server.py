@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from gaussdp._validate import check_positive, check_probability
+from gaussdp._validate import check_choice, check_positive, check_probability
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, PrivacyError, UnsafeInput
 from gaussdp.federated.adaptive import AdaptiveClipping, effective_noise_multiplier
 from gaussdp.federated.robust import RobustAggregator
@@ -147,8 +147,7 @@ class DPFedAvg:
             )
         if robust is not None and not isinstance(robust, RobustAggregator):
             raise TypeError(f"robust must be a RobustAggregator, got {type(robust).__name__}")
-        if noise not in ("secure", "fast"):
-            raise InvalidParameter(f"noise must be 'secure' or 'fast', got noise={noise!r}")
+        check_choice("noise", noise, ("secure", "fast"))
         self.adaptive = adaptive
         self.robust = robust
         self.noise = noise

@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from gaussdp._validate import check_choice
 from gaussdp.errors import InvalidParameter, UnsafeInput
 
 __all__ = ["CKKSLoRABackend", "LoRABackend", "PlainLoRABackend"]
@@ -72,8 +73,7 @@ class CKKSLoRABackend:
     ) -> None:
         import tenseal as ts
 
-        if method not in ("dot", "matmul"):
-            raise InvalidParameter(f"method must be 'dot' or 'matmul', got method={method!r}")
+        check_choice("method", method, ("dot", "matmul"))
         self.method = method
         if context is None:
             context = ts.context(

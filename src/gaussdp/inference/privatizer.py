@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gaussdp._validate import check_delta, check_epsilon, check_positive
+from gaussdp._validate import check_choice, check_delta, check_epsilon, check_positive
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, UnsafeInput
 from gaussdp.inference._layers import resolve_layer, split_output
 
@@ -137,12 +137,8 @@ class HiddenStatePrivatizer:
         self.module: nn.Module | None = None
         self._handle: Any = None
         self.clip_norm = check_positive("clip_norm", clip_norm)
-        if per not in ("token", "sequence"):
-            raise InvalidParameter(f"per must be 'token' or 'sequence', got per={per!r}")
-        if neighbouring not in ("replace", "add-remove"):
-            raise InvalidParameter(
-                f"neighbouring must be 'replace' or 'add-remove', got neighbouring={neighbouring!r}"
-            )
+        check_choice("per", per, ("token", "sequence"))
+        check_choice("neighbouring", neighbouring, ("replace", "add-remove"))
         if not isinstance(session_id, str) or not session_id:
             raise InvalidParameter(f"session_id must be a non-empty string, got session_id={session_id!r}")
         self.per: Per = per

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from gaussdp._validate import check_positive
+from gaussdp._validate import check_choice, check_positive
 from gaussdp.errors import InvalidParameter, PrivacyError, UnsafeInput
 from gaussdp.torch._parts import DensePart, LinearPart, Part, combine
 from gaussdp.torch._rules import mha_capture, mha_captured_parts, owned_parameters, rule_for, vmap_parts
@@ -120,10 +120,8 @@ class PerSampleClipper:
         loss_reduction: str = "mean",
         clipping: str = "flat",
     ) -> None:
-        if loss_reduction not in ("mean", "sum"):
-            raise InvalidParameter(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if clipping not in ("flat", "per_layer"):
-            raise InvalidParameter(f"clipping must be 'flat' or 'per_layer', got clipping={clipping!r}")
+        check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
+        check_choice("clipping", clipping, ("flat", "per_layer"))
         self.module = module
         self.loss_reduction = loss_reduction
         self.clipping = clipping

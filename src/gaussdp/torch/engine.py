@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from gaussdp._validate import check_delta, check_epsilon, check_positive, real_number
+from gaussdp._validate import check_choice, check_delta, check_epsilon, check_positive, real_number
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, PrivacyWarning
 from gaussdp.torch._clipper import PerSampleClipper
 from gaussdp.torch._random import torch_generator
@@ -59,8 +59,7 @@ class PrivacyEngine:
     def __init__(self, accountant: str = "pld", *, noise: str = "fast", seed: int | None = None) -> None:
         from gaussdp.accounting import accountant as make_accountant
 
-        if noise not in ("fast", "secure"):
-            raise InvalidParameter(f"noise must be 'fast' or 'secure', got noise={noise!r}")
+        check_choice("noise", noise, ("fast", "secure"))
         self.noise = noise
         self.accountant_name = accountant
         self.accountant = make_accountant(accountant)
