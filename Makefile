@@ -11,12 +11,12 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
 
-$(VENV)/.demo-installed: pyproject.toml | $(BIN)/python
+$(VENV)/.demo-installed: pyproject.toml setup.py src/gaussdp/_gauss.c | $(BIN)/python
 	$(PIP) "torch==2.13.0"
 	$(PIP) -e ".[all]"
 	touch $@
 
-$(VENV)/.test-installed: pyproject.toml $(VENV)/.demo-installed
+$(VENV)/.test-installed: pyproject.toml setup.py src/gaussdp/_gauss.c $(VENV)/.demo-installed
 	$(PIP) -e ".[all,dev]"
 	touch $@
 
@@ -24,8 +24,8 @@ demo: $(VENV)/.demo-installed
 	$(BIN)/gaussdp demo
 
 lint: $(VENV)/.test-installed
-	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/ruff check setup.py src tests benchmarks examples
+	$(BIN)/ruff format --check setup.py src tests benchmarks examples
 
 typecheck: $(VENV)/.test-installed
 	$(BIN)/mypy
@@ -41,4 +41,4 @@ bench: $(VENV)/.test-installed
 	for f in benchmarks/bench_*.py; do $(BIN)/python $$f || exit 1; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo_out
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo_out build src/gaussdp/*.so

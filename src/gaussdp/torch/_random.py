@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 import warnings
+from typing import Any
 
 import torch
 
 from gaussdp.errors import NotPrivateWarning
 
-__all__ = ["torch_generator"]
+__all__ = ["KeystreamNormal", "add_standard_normal_", "keystream_normal_available", "torch_generator"]
+
+_CHUNK = 1 << 16  # values per draw: 256 KiB of float32 scratch, whatever the tensor's size
 
 
 def torch_generator(seed: int | None, what: str) -> torch.Generator:
@@ -32,3 +36,118 @@ def torch_generator(seed: int | None, what: str) -> torch.Generator:
         )
         gen.manual_seed(seed)
     return gen
+
+
+def keystream_normal_available() -> bool:
+    """True where :class:`KeystreamNormal` can run: ``cryptography`` and the compiled ``gaussdp._gauss``."""
+    try:
+        import cryptography.hazmat.primitives.ciphers  # noqa: F401
+
+        import gaussdp._gauss  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class KeystreamNormal:
+    """N(0, 1) deviates from an AES-128-CTR keystream, by a vectorised Box-Muller transform.
+
+    The gradient noise of the torch engine by default (``PrivacyEngine(noise="fast")``). The key and
+    the initial counter are 32 bytes from the OS CSPRNG (``secrets``); the keystream is OpenSSL's
+    AES-CTR (through ``cryptography``, AES-NI where the CPU has it), a cryptographic generator where
+    torch's Mersenne Twister is not (its state follows from 624 outputs). ``gaussdp._gauss`` turns
+    the words into float32 or float64 deviates in place (see its source for the uniforms' widths and
+    the tails). A forked child re-keys, so it never replays its parent's noise.
+
+    Speed: about 0.9 ms for 670k float32 deviates on the 2-vCPU machine of ``benchmarks/``, where
+    ``torch.randn`` takes about 2.3 ms (most of it the Mersenne Twister itself).
+    """
+
+    stream = "AES-128-CTR keystream + Box-Muller"
+    private = True
+
+    def __init__(self) -> None:
+        self._zeros = bytes(0)
+        self._rekey()
+
+    def _rekey(self) -> None:
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+        self._pid = os.getpid()
+        cipher = Cipher(algorithms.AES(secrets.token_bytes(16)), modes.CTR(secrets.token_bytes(16)))
+        self._encryptor = cipher.encryptor()
+
+    def _keystream_into(self, raw: Any) -> None:
+        if os.getpid() != self._pid:
+            self._rekey()
+        if len(self._zeros) < raw.nbytes:
+            self._zeros = bytes(raw.nbytes)
+        self._encryptor.update_into(memoryview(self._zeros)[: raw.nbytes], raw)
+
+    def fill_(self, buf: torch.Tensor) -> torch.Tensor:
+        """Overwrite a contiguous CPU float32/float64 tensor of even length with N(0, 1); return it."""
+        from gaussdp import _gauss
+
+        _check_host_float(buf)
+        if buf.numel() % 2:
+            raise ValueError(f"buf must hold an even number of values, got {buf.numel()}")
+        raw = buf.detach().numpy().reshape(-1).view("uint8")
+        self._keystream_into(raw)
+        _gauss.normal_inplace(raw, buf.element_size(), 1.0)
+        return buf
+
+    def add_(self, dst: torch.Tensor, std: float) -> torch.Tensor:
+        """``dst += std * N(0, 1)`` in place on a contiguous CPU float32/float64 tensor; return it.
+
+        The keystream goes through a scratch of at most 64k words; the kernel adds the deviates to
+        ``dst`` as it makes them (one pass over ``dst``, no array of deviates).
+        """
+        from gaussdp import _gauss
+
+        _check_host_float(dst)
+        flat = dst.detach().view(-1).numpy()
+        width = dst.element_size()
+        words = torch.empty(min(flat.size + flat.size % 2, _CHUNK), dtype=dst.dtype).numpy().view("uint8")
+        for lo in range(0, flat.size, _CHUNK):
+            part = flat[lo : lo + _CHUNK]
+            raw = words[: (part.size + part.size % 2) * width]
+            self._keystream_into(raw)
+            _gauss.normal_add(part, raw, width, float(std))
+        return dst
+
+    def __repr__(self) -> str:
+        return f"<KeystreamNormal {self.stream}>"
+
+
+def _check_host_float(t: torch.Tensor) -> None:
+    if t.dtype not in (torch.float32, torch.float64) or t.device.type != "cpu":
+        raise TypeError(f"expected a CPU float32 or float64 tensor, got {t.dtype} on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError("expected a contiguous tensor")
+
+
+def add_standard_normal_(source: Any, dst: torch.Tensor, std: float) -> torch.Tensor:
+    """``dst += std * N(0, 1)`` per value, in place, from any of the engine's noise sources.
+
+    ``source``: a :class:`KeystreamNormal`, a ``torch.Generator``, or a
+    :class:`gaussdp.noise.NoiseSource` (``noise="secure"``). ``dst``: a float32/float64 tensor on any
+    device. The noise is drawn on the host a chunk at a time, so it never needs a full-size copy.
+    """
+    flat = dst.view(-1)
+    if isinstance(source, KeystreamNormal) and flat.device.type == "cpu" and flat.is_contiguous():
+        source.add_(flat, std)
+        return dst
+    buf = torch.empty(min(flat.numel() + flat.numel() % 2, _CHUNK), dtype=dst.dtype)
+    for lo in range(0, flat.numel(), _CHUNK):
+        part = flat[lo : lo + _CHUNK]
+        m = part.numel()
+        z = buf[: m + m % 2]
+        if isinstance(source, KeystreamNormal):
+            source.fill_(z)
+        elif isinstance(source, torch.Generator):
+            z.normal_(generator=source)
+        else:
+            np_dtype = "float32" if z.dtype == torch.float32 else "float64"
+            z.copy_(torch.from_numpy(source.standard_normal(z.numel(), dtype=np_dtype)))
+        part.add_(z[:m].to(part.device), alpha=std)  # drawn on the host, added on the device
+    return dst

@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -26,7 +27,7 @@ from torch.utils.data import DataLoader
 from gaussdp._validate import check_choice, check_delta, check_epsilon, check_positive, real_number
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, PrivacyWarning
 from gaussdp.torch._clipper import PerSampleClipper
-from gaussdp.torch._random import torch_generator
+from gaussdp.torch._random import KeystreamNormal, keystream_normal_available, torch_generator
 from gaussdp.torch.data import DPDataLoader
 from gaussdp.torch.optimizer import DPOptimizer, _distributed
 
@@ -38,9 +39,12 @@ class PrivacyEngine:
 
     Args:
         accountant: name for ``gaussdp.accounting.accountant`` ("pld" default, "rdp", "gdp", ...).
-        noise: "fast" (default): ``torch.randn`` from a ``torch.Generator`` seeded with 63 bits from
-            the OS CSPRNG (``secrets``), as the core's "fast" torch path; "secure": normals from
-            ``gaussdp.noise.noise_source("secure")`` (a CSPRNG keystream; several times slower).
+        noise: "fast" (default): an AES-128-CTR keystream keyed from the OS CSPRNG, turned into
+            normals by a vectorised Box-Muller (``gaussdp.torch._random.KeystreamNormal``; faster
+            than ``torch.randn``); where ``cryptography`` or the compiled ``gaussdp._gauss`` is
+            missing, ``torch.randn`` from a ``torch.Generator`` seeded with 63 bits from the OS CSPRNG
+            (``noise_stream`` says which). "secure": normals from
+            ``gaussdp.noise.noise_source("secure")`` (ChaCha20, polar method in float64; slower).
             Neither is floating-point safe; DP-SGD gradients are not released bit-exactly anyway.
         seed: fixes sampling and noise (for experiments only: NOT private, warned).
 
@@ -68,6 +72,7 @@ class PrivacyEngine:
         self.noise_multiplier: float | None = None
         self.sample_rate: float | None = None
         self.clipper: PerSampleClipper | None = None
+        self.noise_stream: str | None = None  # where the gradient noise comes from, once made private
 
     # ------------------------------------------------------------------------------------ API
     def make_private(
@@ -176,6 +181,7 @@ class PrivacyEngine:
             raise
         self.clipper = clipper
         self.noise_multiplier, self.sample_rate = sigma, sample_rate
+        self.noise_stream = _describe(dp_optimizer.generator)
         return module, dp_optimizer, loader
 
     def make_private_with_epsilon(
@@ -238,6 +244,8 @@ class PrivacyEngine:
             from gaussdp.noise import noise_source
 
             return noise_source("secure")
+        if seed is None and keystream_normal_available():
+            return KeystreamNormal()
         return torch_generator(seed, "gradient noise")
 
     def _charge(self) -> None:
@@ -247,3 +255,11 @@ class PrivacyEngine:
         if self.noise_multiplier > 0:
             self.accountant.compose(SubsampledGaussianEvent(self.noise_multiplier, self.sample_rate))
         self.steps += 1
+
+
+def _describe(source: Any) -> str:
+    if isinstance(source, KeystreamNormal):
+        return source.stream
+    if isinstance(source, torch.Generator):
+        return "torch.Generator (Mersenne Twister), seeded from the OS CSPRNG unless seed= was given"
+    return f"gaussdp.noise source {source.name!r}"

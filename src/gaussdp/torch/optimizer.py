@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 
 from gaussdp.errors import InvalidParameter, UnsafeInput
 from gaussdp.torch._clipper import PerSampleClipper
+from gaussdp.torch._random import add_standard_normal_
 
 __all__ = ["DPOptimizer"]
 
@@ -29,8 +30,9 @@ class DPOptimizer(Optimizer):
         clipper: the hooks that leave per-sample-clipped sums after each backward pass.
         noise_multiplier: ``sigma``; the noise standard deviation on the sum is ``sigma * C``.
         expected_batch_size: ``q N``, the denominator of the average (all ranks together).
-        generator: source of the noise: a ``torch.Generator`` (OS-entropy seeded by default, see
-            ``gaussdp.torch._random``) or a :class:`gaussdp.noise.NoiseSource` (e.g. "secure").
+        generator: source of the noise (``gaussdp.torch._random``): a ``KeystreamNormal`` (the
+            default), a ``torch.Generator`` (seeded runs, or where the keystream cannot run) or a
+            :class:`gaussdp.noise.NoiseSource` (``noise="secure"``).
         on_step: called before anything is released, to charge the accountant.
         loader: the Poisson data loader, to check every served sample was clipped as one row.
     """
@@ -127,12 +129,6 @@ class DPOptimizer(Optimizer):
                 "(batch_first) and pass through backward once before step(); nothing was released"
             )
 
-    def _standard_normal(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        if isinstance(self.generator, torch.Generator):
-            return torch.randn(n, generator=self.generator, dtype=dtype)
-        np_dtype = "float32" if dtype == torch.float32 else "float64"
-        return torch.from_numpy(self.generator.standard_normal(n, dtype=np_dtype)).to(dtype)
-
     def _noisy_sums(self) -> list[torch.Tensor]:
         """Averaged clipped sums plus N(0, (sigma C / qN)^2) per coordinate."""
         std = self.noise_multiplier * self.max_grad_norm / self.expected_batch_size
@@ -144,13 +140,7 @@ class DPOptimizer(Optimizer):
             if s is None:
                 s = torch.zeros(p.shape, dtype=dtype, device=p.device)
             if add_noise:
-                # in place and in chunks: the noise never needs a second full-size copy of the sum
-                flat = s.view(-1)
-                step = max(1 << 18, flat.numel() // 16)
-                for lo in range(0, flat.numel(), step):
-                    part = flat[lo : lo + step]
-                    # drawn on the host generator, added on the parameter's device
-                    part.add_(self._standard_normal(part.numel(), dtype).to(part.device), alpha=std)
+                add_standard_normal_(self.generator, s, std)  # in place, through a small host scratch
             out.append(s)
         return out
 

@@ -1,0 +1,23 @@
+"""The one compiled piece of gaussdp: the vectorised Box-Muller kernel of the torch engine's default
+noise (src/gaussdp/_gauss.c). Everything else is in pyproject.toml.
+
+Optional: where it cannot be built (no C compiler, no glibc libmvec) the install goes on without it
+and the engine falls back to torch's generator (``PrivacyEngine.noise_stream`` says which is used).
+``-ffast-math`` is given to the compiler only, so that GCC calls glibc's vector log/sin/cos; the link
+has no ``-ffast-math``, so crtfastmath.o, which would switch the whole process to flush-to-zero, is not
+linked in (tests/torch/test_fast_noise.py checks this).
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "gaussdp._gauss",
+            sources=["src/gaussdp/_gauss.c"],
+            extra_compile_args=["-O3", "-ffast-math"],
+            libraries=["mvec", "m"],
+            optional=True,
+        )
+    ]
+)

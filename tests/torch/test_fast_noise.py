@@ -1,0 +1,213 @@
+"""The torch engine's default noise: AES-128-CTR keystream + the compiled Box-Muller kernel."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("cryptography")
+_gauss = pytest.importorskip("gaussdp._gauss", reason="the C kernel was not built (optional)")
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes  # noqa: E402
+from scipy import stats  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import gaussdp.torch._random as _random  # noqa: E402
+from gaussdp.errors import NotPrivateWarning  # noqa: E402
+from gaussdp.torch import PrivacyEngine  # noqa: E402
+from gaussdp.torch._random import KeystreamNormal  # noqa: E402
+
+
+def _box_muller_reference(words: np.ndarray, width: int) -> np.ndarray:
+    """The kernel's mapping, in float64 numpy, block by block (512 pairs per block)."""
+    out = np.empty(words.size)
+    for lo in range(0, words.size, 1024):
+        w = words[lo : lo + 1024]
+        m = w.size // 2
+        if width == 4:
+            # as the kernel does in float32: a word near 2^32 rounds to u1 = 1, radius 0
+            u1 = ((w[:m].astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-32)).astype(np.float64)
+            u2 = (w[m:] >> 8).astype(np.float64) * 2.0**-24
+        else:
+            u1 = ((w[:m] >> 11).astype(np.float64) + 0.5) * 2.0**-53
+            u2 = (w[m:] >> 11).astype(np.float64) * 2.0**-53
+        r = np.sqrt(-2 * np.log(u1))
+        out[lo : lo + m] = r * np.cos(2 * np.pi * u2)
+        out[lo + m : lo + 2 * m] = r * np.sin(2 * np.pi * u2)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("words_dtype", "float_dtype", "tol"), [(np.uint32, np.float32, 2e-5), (np.uint64, np.float64, 1e-12)]
+)
+def test_kernel_is_the_box_muller_map_of_its_words(words_dtype, float_dtype, tol):
+    """Every deviate matches the float64 reference map of the same words (odd tail block included),
+    and scale multiplies them."""
+    words = np.random.default_rng(1).integers(0, np.iinfo(words_dtype).max, 3000, dtype=words_dtype)
+    words[:2] = [0, np.iinfo(words_dtype).max]  # extreme words: the largest radius, and u2 near 1
+    expected = _box_muller_reference(words, words.itemsize)
+    buf = words.copy()
+    _gauss.normal_inplace(buf, words.itemsize, 2.5)
+    got = buf.view(float_dtype).astype(np.float64)
+    np.testing.assert_allclose(got, 2.5 * expected, rtol=tol, atol=tol)
+    assert np.isfinite(got).all()
+
+
+@pytest.mark.parametrize(("words_dtype", "float_dtype"), [(np.uint32, np.float32), (np.uint64, np.float64)])
+@pytest.mark.parametrize("n", [1, 7, 1024, 3001])
+def test_kernel_adds_the_same_deviates_to_a_destination(words_dtype, float_dtype, n):
+    """normal_add(dst, words) is dst + normal_inplace(words) to the last (odd) value, up to the last
+    bit (the add may be fused: one rounding instead of two); the words are left untouched."""
+    rng = np.random.default_rng(n)
+    words = rng.integers(0, np.iinfo(words_dtype).max, n + n % 2, dtype=words_dtype)
+    dst = rng.standard_normal(n).astype(float_dtype)
+    deviates = words.copy()
+    _gauss.normal_inplace(deviates, words.itemsize, 0.5)
+    expected = dst + deviates.view(float_dtype)[:n]
+    kept = words.copy()
+    _gauss.normal_add(dst, words, words.itemsize, 0.5)
+    ulp = np.finfo(float_dtype).eps
+    np.testing.assert_allclose(dst, expected, rtol=2 * ulp, atol=8 * ulp)
+    np.testing.assert_array_equal(words, kept)
+
+
+def test_kernel_refuses_odd_lengths_and_wrong_widths():
+    with pytest.raises(ValueError, match="even number"):
+        _gauss.normal_inplace(np.zeros(3, np.uint32), 4, 1.0)
+    with pytest.raises(ValueError, match="itemsize"):
+        _gauss.normal_inplace(np.zeros(4, np.uint16), 2, 1.0)
+    with pytest.raises(TypeError):
+        _gauss.normal_inplace(b"\0" * 8, 4, 1.0)  # read-only
+    words = np.zeros(4, np.uint32)
+    with pytest.raises(ValueError, match="rounded up to a pair"):
+        _gauss.normal_add(np.zeros(2, np.float32), words, 4, 1.0)  # words too long for dst
+    with pytest.raises(ValueError, match="rounded up to a pair"):
+        _gauss.normal_add(np.zeros(5, np.float32), words, 4, 1.0)  # too short
+    with pytest.raises(ValueError, match="overlap"):
+        _gauss.normal_add(words.view(np.float32), words, 4, 1.0)
+
+
+def test_loading_the_kernel_leaves_subnormals_alone():
+    """-ffast-math is a compile flag only: linking it would pull in crtfastmath.o, which switches the
+    process to flush-to-zero on load and would change every float result near the underflow."""
+    assert np.float32(1e-39) / np.float32(2) != 0
+    assert float(torch.tensor([1e-39], dtype=torch.float32)[0] / 2) != 0
+
+
+def test_fill_is_aes_ctr_keystream_through_the_kernel(monkeypatch):
+    """With the key and counter fixed, fill_ is exactly AES-128-CTR's keystream mapped by the kernel,
+    and consecutive fills continue the stream."""
+    key, iv = bytes(range(16)), bytes(range(16, 32))
+    it = iter([key, iv])
+    monkeypatch.setattr(_random.secrets, "token_bytes", lambda n: next(it))
+    source = KeystreamNormal()
+    enc = Cipher(algorithms.AES(key), modes.CTR(iv)).encryptor()
+    for dtype, width in [(torch.float32, 4), (torch.float64, 8), (torch.float32, 4)]:
+        got = source.fill_(torch.empty(1000, dtype=dtype))
+        expected = np.frombuffer(enc.update(bytes(1000 * width)), dtype=np.uint8).copy()
+        _gauss.normal_inplace(expected, width, 1.0)
+        want = torch.from_numpy(expected.view(np.float32 if width == 4 else np.float64))
+        assert torch.equal(got, want)
+    # add_ goes through the stream in chunks of 2**16 values, each rounded up to a pair of words
+    n = (1 << 16) + 5
+    base = torch.randn(n)
+    got = source.add_(base.clone(), 0.25)
+    want = base.clone().numpy()
+    for lo, m in [(0, 1 << 16), (1 << 16, 6)]:
+        words = np.frombuffer(enc.update(bytes(4 * m)), dtype=np.uint32)
+        _gauss.normal_add(want[lo : lo + min(m, n - lo)], words, 4, 0.25)
+    assert torch.equal(got, torch.from_numpy(want))  # same kernel, same words: bit for bit
+
+
+def test_fill_refuses_what_it_cannot_fill():
+    source = KeystreamNormal()
+    with pytest.raises(ValueError, match="even"):
+        source.fill_(torch.empty(5))
+    with pytest.raises(TypeError, match="float32 or float64"):
+        source.fill_(torch.empty(4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous"):
+        source.add_(torch.empty(4, 4).t(), 1.0)
+
+
+def test_deviates_are_standard_normal():
+    """200k float32 deviates from a fresh key: Kolmogorov-Smirnov against N(0, 1) at alpha 1e-6, mean
+    and std within 5 standard errors (each a false alarm below 1e-6)."""
+    z = KeystreamNormal().fill_(torch.empty(200_000)).double().numpy()
+    assert stats.kstest(z, "norm").pvalue > 1e-6
+    assert abs(z.mean()) < 5 / math.sqrt(z.size)
+    assert abs(z.std() - 1) < 5 / math.sqrt(2 * z.size)
+    assert np.abs(z).max() < 6.8  # the float32 radius stops at sqrt(2 ln 2^33) = 6.76
+
+
+def _child_draw(source, queue):
+    queue.put(source.fill_(torch.empty(64)).numpy().tobytes())
+
+
+def test_forked_child_does_not_replay_the_parents_stream():
+    """A fork copies the cipher state: without re-keying, the child's next draw would equal the
+    parent's."""
+    source = KeystreamNormal()
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_draw, args=(source, queue))
+    child.start()
+    child_bytes = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert child_bytes != source.fill_(torch.empty(64)).numpy().tobytes()
+
+
+def test_engine_uses_the_keystream_by_default_at_the_right_level():
+    """No seed: the noise is the keystream's (said in noise_stream), at std sigma C / (qN) per
+    coordinate (5 standard errors); a seeded engine uses torch's generator."""
+    model = nn.Linear(100, 100)
+    engine = PrivacyEngine()
+    _, opt, dl = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(TensorDataset(torch.randn(40, 100)), batch_size=8),
+        noise_multiplier=2.0,
+        max_grad_norm=0.5,
+    )
+    assert isinstance(opt.generator, KeystreamNormal)
+    assert "AES-128-CTR" in engine.noise_stream
+    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    opt.step()  # no samples: the update is pure noise
+    noise = (before - torch.cat([p.detach().reshape(-1) for p in model.parameters()])).double()
+    expected = 2.0 * 0.5 / dl.expected_batch_size
+    assert abs(float(noise.std()) / expected - 1) < 5 / math.sqrt(2 * noise.numel())
+    assert abs(float(noise.mean())) < 5 * expected / math.sqrt(noise.numel())
+
+    seeded, small = PrivacyEngine(seed=3), nn.Linear(3, 2)
+    with pytest.warns(NotPrivateWarning):
+        _, seeded_opt, _ = seeded.make_private(
+            module=small,
+            optimizer=torch.optim.SGD(small.parameters(), lr=1.0),
+            data_loader=DataLoader(TensorDataset(torch.randn(8, 3)), batch_size=4),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+    assert isinstance(seeded_opt.generator, torch.Generator)
+    assert "Mersenne" in seeded.noise_stream
+
+
+def test_engine_falls_back_to_torchs_generator_without_the_kernel(monkeypatch):
+    """Where the kernel or cryptography is missing, the noise is torch.randn from an OS-seeded
+    generator, and noise_stream says so."""
+    import gaussdp.torch.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "keystream_normal_available", lambda: False)
+    model = nn.Linear(3, 2)
+    engine = PrivacyEngine()
+    _, opt, _ = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(TensorDataset(torch.randn(8, 3)), batch_size=4),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
+    assert isinstance(opt.generator, torch.Generator)
+    assert "Mersenne" in engine.noise_stream
