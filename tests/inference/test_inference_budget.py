@@ -145,7 +145,9 @@ def test_hf_generate_is_charged_per_forward_pass(tiny_gpt2, prompt):
     with HiddenStatePrivatizer(
         tiny_gpt2, clip_norm=CLIP, sigma=SIGMA, ledger=ledger, session_id="alice", budget=Budget(1e6, DELTA)
     ):
-        out = tiny_gpt2.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        # min_new_tokens: the tiny model's EOS is token 0, which the noised states may pick (greedy),
+        # and an early stop would make the number of forward passes random
+        out = tiny_gpt2.generate(prompt, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.shape == (1, prompt.shape[1] + 3)
     # with the key/value cache: the prompt's T rows, then one row for each later token
     assert [h.event.get("count", 1) for h in ledger.history("alice")] == [prompt.shape[1], 1, 1]

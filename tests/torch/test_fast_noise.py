@@ -17,7 +17,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import gaussdp.torch._random as _random  # noqa: E402
-from gaussdp.errors import NotPrivateWarning  # noqa: E402
+from gaussdp.errors import InvalidParameter, NotPrivateWarning  # noqa: E402
 from gaussdp.torch import PrivacyEngine  # noqa: E402
 from gaussdp.torch._random import KeystreamNormal  # noqa: E402
 
@@ -131,6 +131,13 @@ def test_fill_refuses_what_it_cannot_fill():
         source.fill_(torch.empty(4, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="contiguous"):
         source.add_(torch.empty(4, 4).t(), 1.0)
+    dst = torch.zeros(4)
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(InvalidParameter, match="std"):
+            source.add_(dst, bad)
+        with pytest.raises(InvalidParameter, match="std"):
+            _random.add_standard_normal_(torch.Generator(), dst, bad)
+    assert torch.equal(dst, torch.zeros(4))  # nothing was added
 
 
 def test_deviates_are_standard_normal():
