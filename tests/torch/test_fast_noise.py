@@ -1,4 +1,6 @@
-"""The torch engine's default noise: AES-128-CTR keystream + the compiled Box-Muller kernel."""
+"""The torch engine's default noise: AES-128-CTR keystream + the compiled Box-Muller kernel.
+
+The engine's use of it (level, fallback, seeded runs) is tested in test_torch_engine.py."""
 
 from __future__ import annotations
 
@@ -13,12 +15,9 @@ pytest.importorskip("cryptography")
 _gauss = pytest.importorskip("gaussdp._gauss", reason="the C kernel was not built (optional)")
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes  # noqa: E402
 from scipy import stats  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import gaussdp.torch._random as _random  # noqa: E402
-from gaussdp.errors import InvalidParameter, NotPrivateWarning  # noqa: E402
-from gaussdp.torch import PrivacyEngine  # noqa: E402
+from gaussdp.errors import InvalidParameter  # noqa: E402
 from gaussdp.torch._random import KeystreamNormal  # noqa: E402
 
 
@@ -165,56 +164,3 @@ def test_forked_child_does_not_replay_the_parents_stream():
     child_bytes = queue.get(timeout=60)
     child.join(timeout=60)
     assert child_bytes != source.fill_(torch.empty(64)).numpy().tobytes()
-
-
-def test_engine_uses_the_keystream_by_default_at_the_right_level():
-    """No seed: the noise is the keystream's (said in noise_stream), at std sigma C / (qN) per
-    coordinate (5 standard errors); a seeded engine uses torch's generator."""
-    model = nn.Linear(100, 100)
-    engine = PrivacyEngine()
-    _, opt, dl = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-        data_loader=DataLoader(TensorDataset(torch.randn(40, 100)), batch_size=8),
-        noise_multiplier=2.0,
-        max_grad_norm=0.5,
-    )
-    assert isinstance(opt.generator, KeystreamNormal)
-    assert "AES-128-CTR" in engine.noise_stream
-    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
-    opt.step()  # no samples: the update is pure noise
-    noise = (before - torch.cat([p.detach().reshape(-1) for p in model.parameters()])).double()
-    expected = 2.0 * 0.5 / dl.expected_batch_size
-    assert abs(float(noise.std()) / expected - 1) < 5 / math.sqrt(2 * noise.numel())
-    assert abs(float(noise.mean())) < 5 * expected / math.sqrt(noise.numel())
-
-    seeded, small = PrivacyEngine(seed=3), nn.Linear(3, 2)
-    with pytest.warns(NotPrivateWarning):
-        _, seeded_opt, _ = seeded.make_private(
-            module=small,
-            optimizer=torch.optim.SGD(small.parameters(), lr=1.0),
-            data_loader=DataLoader(TensorDataset(torch.randn(8, 3)), batch_size=4),
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-        )
-    assert isinstance(seeded_opt.generator, torch.Generator)
-    assert "Mersenne" in seeded.noise_stream
-
-
-def test_engine_falls_back_to_torchs_generator_without_the_kernel(monkeypatch):
-    """Where the kernel or cryptography is missing, the noise is torch.randn from an OS-seeded
-    generator, and noise_stream says so."""
-    import gaussdp.torch.engine as engine_module
-
-    monkeypatch.setattr(engine_module, "keystream_normal_available", lambda: False)
-    model = nn.Linear(3, 2)
-    engine = PrivacyEngine()
-    _, opt, _ = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-        data_loader=DataLoader(TensorDataset(torch.randn(8, 3)), batch_size=4),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-    )
-    assert isinstance(opt.generator, torch.Generator)
-    assert "Mersenne" in engine.noise_stream

@@ -19,6 +19,7 @@ from gaussdp.errors import (  # noqa: E402
     UnsafeInput,
 )
 from gaussdp.torch import DPDataLoader, PrivacyEngine, split_batch  # noqa: E402
+from gaussdp.torch._random import KeystreamNormal, keystream_normal_available  # noqa: E402
 
 
 def _data(n=64, d=6, classes=3, seed=0):
@@ -376,24 +377,59 @@ def test_poisson_sampling_rate():
     assert abs(total - 10000) < 5 * math.sqrt(200 * 500 * 0.1 * 0.9)
 
 
-def test_secure_noise_source_level():
-    """As test_noise_level with the CSPRNG source: 5-SE bound on the std, false alarm ~6e-7."""
+def _one_pure_noise_step(engine, sigma=2.0, clip=0.5):
+    """``engine`` made private on nn.Linear(60, 50) (40 rows, batches of 8: q = 0.2), then one step
+    with no samples. Returns the optimizer, the update (pure noise) and its std sigma C / (qN)."""
     model = nn.Linear(60, 50)
-    engine = PrivacyEngine(noise="secure")
     _, opt, dl = engine.make_private(
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
         data_loader=DataLoader(TensorDataset(torch.randn(40, 60)), batch_size=8),
-        noise_multiplier=2.0,
-        max_grad_norm=0.5,
+        noise_multiplier=sigma,
+        max_grad_norm=clip,
     )
     before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
     opt.step()
     noise = (before - torch.cat([p.detach().reshape(-1) for p in model.parameters()])).double()
-    expected = 2.0 * 0.5 / dl.expected_batch_size
+    return opt, noise, sigma * clip / dl.expected_batch_size
+
+
+def test_secure_noise_source_level():
+    """As test_noise_level with the CSPRNG source: 5-SE bound on the std, false alarm ~6e-7."""
+    _, noise, expected = _one_pure_noise_step(PrivacyEngine(noise="secure"))
     assert abs(float(noise.std()) / expected - 1) < 5 / math.sqrt(2 * noise.numel())
     with pytest.raises(InvalidParameter, match="noise"):
         PrivacyEngine(noise="laplace")
+
+
+@pytest.mark.skipif(not keystream_normal_available(), reason="gaussdp._gauss or cryptography missing")
+def test_default_noise_is_the_keystream_at_the_right_level():
+    """No seed: the noise comes from the AES-CTR keystream (said in noise_stream), at std
+    sigma C / (qN) per coordinate and mean 0 (5 standard errors each, false alarm ~6e-7)."""
+    engine = PrivacyEngine()
+    opt, noise, expected = _one_pure_noise_step(engine)
+    assert isinstance(opt.generator, KeystreamNormal)
+    assert "AES-128-CTR" in engine.noise_stream
+    assert abs(float(noise.std()) / expected - 1) < 5 / math.sqrt(2 * noise.numel())
+    assert abs(float(noise.mean())) < 5 * expected / math.sqrt(noise.numel())
+
+
+def test_seeded_or_kernel_less_engines_use_torchs_generator(monkeypatch):
+    """A seed makes the noise torch.randn from that seed (warned); without the kernel (or
+    cryptography) it is torch.randn from an OS-seeded generator. noise_stream says which."""
+    with pytest.warns(NotPrivateWarning):
+        seeded = PrivacyEngine(seed=3)
+        opt, _, _ = _one_pure_noise_step(seeded)
+    assert isinstance(opt.generator, torch.Generator)
+    assert "Mersenne" in seeded.noise_stream
+    import gaussdp.torch.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "keystream_normal_available", lambda: False)
+    fallback = PrivacyEngine()
+    opt, noise, expected = _one_pure_noise_step(fallback)
+    assert isinstance(opt.generator, torch.Generator)
+    assert "Mersenne" in fallback.noise_stream
+    assert abs(float(noise.std()) / expected - 1) < 5 / math.sqrt(2 * noise.numel())
 
 
 def test_scheduler_and_state_dict_see_the_users_optimizer():
