@@ -248,3 +248,20 @@ def test_sigkill_never_leaves_a_release_without_its_charge(url: str, tmp_path: P
     assert released, "the worker never got to release anything: raise the sleep"
     assert missing == []
     assert 0 <= lost <= kills
+
+
+def test_principal_cache_is_bounded_and_refetches(monkeypatch):
+    """A service with one principal per session must not grow the ledger's in-process cache without
+    limit: past the bound the cache starts over, and an evicted principal is read back from the
+    store (its budget and charges intact)."""
+    import gaussdp.budget.ledger as ledger_module
+
+    monkeypatch.setattr(ledger_module, "_MAX_HINTS", 3)
+    ledger = Ledger("memory://")
+    for i in range(10):
+        ledger.open(f"s{i}", Budget(1.0 + i, 1e-5))
+        assert len(ledger._rows) <= 3
+    ledger.charge("s0", GaussianEvent(5.0))
+    assert ledger.budget("s0") == Budget(1.0, 1e-5)
+    assert ledger.spent("s0").epsilon > 0
+    assert len(ledger._rows) <= 3

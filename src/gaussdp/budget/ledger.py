@@ -125,8 +125,15 @@ class Ledger:
                 f"delta={row.delta!r}) and accountant={row.accountant!r}; a budget cannot be changed, "
                 "open a new principal"
             )
-        self._rows[principal] = row
+        self._remember(principal, row)
         return budget
+
+    def _remember(self, principal: str, row: PrincipalRow) -> None:
+        # a cache of immutable records (a budget never changes), bounded like the history hints: a
+        # service with a principal per session must not grow without limit; evicted rows are re-read
+        if len(self._rows) >= _MAX_HINTS:
+            self._rows.clear()
+        self._rows[principal] = row
 
     def _row(self, principal: str) -> PrincipalRow:
         row = self._rows.get(principal)
@@ -135,7 +142,7 @@ class Ledger:
             row = self.store.get_principal(principal)
             if row is None:
                 raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
-            self._rows[principal] = row
+            self._remember(principal, row)
         return row
 
     def budget(self, principal: str) -> Budget:
