@@ -111,6 +111,11 @@ def test_fill_is_aes_ctr_keystream_through_the_kernel(monkeypatch):
         _gauss.normal_inplace(expected, width, 1.0)
         want = torch.from_numpy(expected.view(np.float32 if width == 4 else np.float64))
         assert torch.equal(got, want)
+    # fill_ in place, a chunk of 2**16 values at a time (whole blocks: the same pairing), scaled
+    got = source.fill_(torch.empty(70_000), 0.5)
+    expected = np.frombuffer(enc.update(bytes(4 * 70_000)), dtype=np.uint8).copy()
+    _gauss.normal_inplace(expected, 4, 0.5)
+    assert torch.equal(got, torch.from_numpy(expected.view(np.float32)))
     # add_ goes through the stream in chunks of 2**16 values, each rounded up to a pair of words
     n = (1 << 16) + 5
     base = torch.randn(n)

@@ -179,6 +179,25 @@ def test_noise_added_once_per_step_over_micro_batches():
     assert abs(float(noise.std()) / expected - 1) < 5 / math.sqrt(2 * noise.numel())
 
 
+@pytest.mark.parametrize(("at_backward", "at_step", "total"), [(1.0, 3.0, 3.0), (3.0, 1.0, 3.0)])
+def test_noise_drawn_during_backward_follows_a_changed_multiplier(at_backward, at_step, total):
+    """The step's noise is drawn into the sums' buffers when backward forms them. A multiplier raised
+    before step() gets the missing N(0, new^2 - old^2), so the total std is the new one; a lowered
+    one keeps the larger noise already drawn (charged at the lower multiplier: still an upper
+    bound). Zero-gradient loss: the update is the noise alone. 5 SE on the std (false alarm ~6e-7)."""
+    model, opt, dl = _linear_100(4, at_backward)
+    (x,) = next(iter(dl))
+    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    model(x).mul(0.0).sum().backward()
+    assert set(opt.clipper.noised) == set(model.parameters())  # drawn during backward
+    opt.noise_multiplier = at_step
+    opt.step()
+    assert opt.clipper.noised == {}
+    noise = (before - torch.cat([p.detach().reshape(-1) for p in model.parameters()])).double()
+    expected = total / dl.expected_batch_size
+    assert abs(float(noise.std()) / expected - 1) < 5 / math.sqrt(2 * noise.numel())
+
+
 def test_per_layer_clipping_through_the_engine():
     """make_private(clipping="per_layer", max_grad_norm=[...]) as in Opacus: the noise std is
     sigma * sqrt(sum C_p^2) / (qN) (5 SE), and a list of the wrong length is refused by name."""

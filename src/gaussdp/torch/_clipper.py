@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -181,6 +181,11 @@ class PerSampleClipper:
         # the sums are kept multiplied by this (the optimizer sets 1 / expected batch size, which
         # saves a pass over every gradient at each step)
         self.sum_scale = 1.0
+        # set by the optimizer: a parameter's sum buffer pre-filled with the step's noise, drawn when
+        # its first clipped sum is formed (so the GEMM adds into it), or None; ``noised`` records the
+        # noise std already in each sum
+        self.prefill: Callable[[nn.Parameter], tuple[torch.Tensor, float] | None] | None = None
+        self.noised: dict[nn.Parameter, float] = {}
         self.samples = 0  # samples clipped since the last reset (all micro-batches)
         self.last_norms: torch.Tensor | None = None
         self._register(module)
@@ -441,6 +446,11 @@ class PerSampleClipper:
 
     def _accumulate(self, p: nn.Parameter, part: Part, w: torch.Tensor) -> None:
         prev = self.summed.get(p)
+        if prev is None and self.prefill is not None:
+            filled = self.prefill(p)
+            if filled is not None:
+                prev, self.noised[p] = filled
+                self.summed[p] = prev
         if prev is None:
             self.summed[p] = part.weighted_sum(w)
         else:
@@ -460,6 +470,7 @@ class PerSampleClipper:
     def reset(self) -> None:
         """Forget accumulated sums and pending calls (after an optimizer step)."""
         self.summed = {}
+        self.noised = {}
         self.samples = 0
         self._calls = []
         self._uses = None

@@ -12,7 +12,13 @@ import torch
 
 from gaussdp.errors import InvalidParameter, NotPrivateWarning
 
-__all__ = ["KeystreamNormal", "add_standard_normal_", "keystream_normal_available", "torch_generator"]
+__all__ = [
+    "KeystreamNormal",
+    "add_standard_normal_",
+    "keystream_normal_available",
+    "noise_buffer",
+    "torch_generator",
+]
 
 _CHUNK = 1 << 16  # values per draw: 256 KiB of float32 scratch, whatever the tensor's size
 
@@ -86,16 +92,20 @@ class KeystreamNormal:
             self._zeros = bytes(raw.nbytes)
         self._encryptor.update_into(memoryview(self._zeros)[: raw.nbytes], raw)
 
-    def fill_(self, buf: torch.Tensor) -> torch.Tensor:
-        """Overwrite a contiguous CPU float32/float64 tensor of even length with N(0, 1); return it."""
+    def fill_(self, buf: torch.Tensor, std: float = 1.0) -> torch.Tensor:
+        """Overwrite a contiguous CPU float32/float64 tensor of even length with N(0, std^2); return
+        it. Written in place, a chunk at a time: no scratch."""
         from gaussdp import _gauss
 
         _check_host_float(buf)
+        std = _check_std(std)
         if buf.numel() % 2:
             raise ValueError(f"buf must hold an even number of values, got {buf.numel()}")
-        raw = buf.detach().numpy().reshape(-1).view("uint8")
-        self._keystream_into(raw)
-        _gauss.normal_inplace(raw, buf.element_size(), 1.0)
+        flat = buf.detach().view(-1).numpy()
+        for lo in range(0, flat.size, _CHUNK):
+            raw = flat[lo : lo + _CHUNK].view("uint8")  # _CHUNK is even: every chunk holds pairs
+            self._keystream_into(raw)
+            _gauss.normal_inplace(raw, buf.element_size(), std)
         return buf
 
     def add_(self, dst: torch.Tensor, std: float) -> torch.Tensor:
@@ -120,6 +130,18 @@ class KeystreamNormal:
 
     def __repr__(self) -> str:
         return f"<KeystreamNormal {self.stream}>"
+
+
+def noise_buffer(source: Any, shape: torch.Size, dtype: torch.dtype, std: float) -> torch.Tensor:
+    """A new CPU tensor of ``shape`` holding N(0, std^2) per value, from any of the engine's sources.
+
+    The DP optimizer draws a step's noise into the buffer that the clipped sums are then added to
+    (in place, by the GEMM that forms them): one pass over the gradient instead of two.
+    """
+    buf = torch.empty(shape, dtype=dtype)
+    if isinstance(source, KeystreamNormal) and buf.numel() % 2 == 0:
+        return source.fill_(buf, std)
+    return add_standard_normal_(source, buf.zero_(), std)
 
 
 def _check_host_float(t: torch.Tensor) -> None:

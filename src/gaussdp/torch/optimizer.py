@@ -9,6 +9,7 @@ would leak it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ from torch.optim import Optimizer
 
 from gaussdp.errors import InvalidParameter, UnsafeInput
 from gaussdp.torch._clipper import PerSampleClipper
-from gaussdp.torch._random import add_standard_normal_
+from gaussdp.torch._random import add_standard_normal_, noise_buffer
 
 __all__ = ["DPOptimizer"]
 
@@ -72,6 +73,7 @@ class DPOptimizer(Optimizer):
             )
         self.params = [p for p in clipper.params]
         clipper.sum_scale = 1.0 / self.expected_batch_size  # sums arrive already averaged
+        clipper.prefill = self._prefill
 
     # delegation so that schedulers and checkpoints see the user's optimizer
     @property
@@ -108,8 +110,33 @@ class DPOptimizer(Optimizer):
 
     @property
     def summed_grads(self) -> dict[torch.nn.Parameter, torch.Tensor]:
-        """Copies of the clipped per-sample gradient sums accumulated since the last step (no noise)."""
+        """Copies of the clipped per-sample gradient sums accumulated since the last step.
+
+        With ``noise_multiplier > 0`` they already hold the step's noise (drawn into each sum's
+        buffer before its first clipped sum is added, see :meth:`_prefill`): the clipped sums alone
+        are seen with ``noise_multiplier=0``.
+        """
         return {p: s * self.expected_batch_size for p, s in self.clipper.summed.items()}
+
+    def _std(self) -> float:
+        """The noise std on the averaged sum: ``sigma C / (q N)`` (0 on ranks other than 0)."""
+        if not _adds_noise():
+            return 0.0
+        return self.noise_multiplier * self.max_grad_norm / self.expected_batch_size
+
+    def _prefill(self, p: torch.nn.Parameter) -> tuple[torch.Tensor, float] | None:
+        """The sum buffer of ``p`` for this step, holding the step's noise already.
+
+        Called by the clipper when it forms the first clipped sum of ``p`` since the last step: the
+        GEMM that forms the sum then adds into the noise (beta = 1), so the noise costs no pass of
+        its own over the gradient. The noise is drawn once per step whatever the micro-batches;
+        nothing leaves before :meth:`step` charges the accountant. Host parameters only.
+        """
+        std = self._std()
+        if std <= 0 or p.device.type != "cpu":
+            return None
+        dtype = torch.promote_types(p.dtype, torch.float32)
+        return noise_buffer(self.generator, p.shape, dtype, std), std
 
     def _check_samples(self) -> None:
         if self._loader is None:
@@ -130,17 +157,23 @@ class DPOptimizer(Optimizer):
             )
 
     def _noisy_sums(self) -> list[torch.Tensor]:
-        """Averaged clipped sums plus N(0, (sigma C / qN)^2) per coordinate."""
-        std = self.noise_multiplier * self.max_grad_norm / self.expected_batch_size
-        add_noise = std > 0 and _adds_noise()
+        """Averaged clipped sums plus N(0, (sigma C / qN)^2) per coordinate.
+
+        A sum whose noise was drawn in :meth:`_prefill` gets only what is missing if the noise
+        multiplier was raised since: N(0, std^2 - drawn^2), independent, so the total is N(0, std^2).
+        If it was lowered, the sum keeps the larger noise drawn, and the accountant's charge at the
+        new multiplier is still an upper bound.
+        """
+        std = self._std()
         out = []
         for p in self.params:
             s = self.clipper.summed.get(p)
             dtype = s.dtype if s is not None else torch.promote_types(p.dtype, torch.float32)
             if s is None:
                 s = torch.zeros(p.shape, dtype=dtype, device=p.device)
-            if add_noise:
-                add_standard_normal_(self.generator, s, std)  # in place, through a small host scratch
+            extra = math.sqrt(max(0.0, std * std - self.clipper.noised.get(p, 0.0) ** 2))
+            if extra > 0:
+                add_standard_normal_(self.generator, s, extra)  # in place, through a small host scratch
             out.append(s)
         return out
 
