@@ -13,7 +13,9 @@ small cost", ICML):
    all trainable parameters are summed from the parts, each sample's clip factor
    ``min(1, C / ||g_i||)`` follows, and each parameter's clipped sum is one weighted matmul.
 3. Clipped sums accumulate over backward passes (micro-batches, each holding distinct samples) until
-   the optimizer step adds the noise once.
+   the optimizer step. The step's noise is drawn once, into each sum's buffer before its first
+   clipped sum is added (:attr:`PerSampleClipper.prefill`, set by the optimizer), so the GEMM that
+   forms the sum adds into the noise; the optimizer charges the accountant before anything leaves.
 
 A trainable parameter that receives an ordinary gradient (used outside the module owning it) cannot
 be clipped per sample: that fails closed with an error naming it.
