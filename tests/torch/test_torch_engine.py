@@ -198,6 +198,28 @@ def test_noise_drawn_during_backward_follows_a_changed_multiplier(at_backward, a
     assert abs(float(noise.std()) / expected - 1) < 5 / math.sqrt(2 * noise.numel())
 
 
+def test_each_step_is_charged_at_the_multiplier_it_uses():
+    """The optimizer's noise_multiplier may change between steps (as in Opacus): each step is charged
+    at the multiplier its noise uses. Lowered to 0.5, epsilon equals one
+    SubsampledGaussianEvent(0.5, q) (charging the engine's original 1.0 would under-count). NaN is
+    refused with nothing charged or released; 0 makes the run non-private: warned, epsilon inf."""
+    engine, model, opt, loader = _setup(sigma=1.0)
+    opt.noise_multiplier = 0.5
+    opt.step()
+    ref = accounting.accountant("pld").compose(accounting.SubsampledGaussianEvent(0.5, loader.sample_rate))
+    assert engine.get_epsilon(1e-5) == pytest.approx(ref.epsilon(1e-5), rel=1e-12)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.noise_multiplier = float("nan")
+    with pytest.raises(InvalidParameter, match="noise_multiplier"):
+        opt.step()
+    assert engine.steps == 1
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    opt.noise_multiplier = 0.0
+    with pytest.warns(NotPrivateWarning, match="NOT private"):
+        opt.step()
+    assert engine.get_epsilon(1e-5) == math.inf
+
+
 def test_per_layer_clipping_through_the_engine():
     """make_private(clipping="per_layer", max_grad_norm=[...]) as in Opacus: the noise std is
     sigma * sqrt(sum C_p^2) / (qN) (5 SE), and a list of the wrong length is refused by name."""

@@ -73,6 +73,7 @@ class PrivacyEngine:
         self.sample_rate: float | None = None
         self.clipper: PerSampleClipper | None = None
         self.noise_stream: str | None = None  # where the gradient noise comes from, once made private
+        self._unnoised_steps = 0  # steps taken with noise_multiplier=0 (then epsilon is inf)
 
     # ------------------------------------------------------------------------------------ API
     def make_private(
@@ -229,7 +230,7 @@ class PrivacyEngine:
         delta = check_delta(delta)
         if self.steps == 0:
             return 0.0
-        if not self.noise_multiplier:
+        if self._unnoised_steps:
             return float("inf")
         return float(self.accountant.epsilon(delta))
 
@@ -248,12 +249,24 @@ class PrivacyEngine:
             return KeystreamNormal()
         return torch_generator(seed, "gradient noise")
 
-    def _charge(self) -> None:
+    def _charge(self, sigma: float) -> None:
+        """Charge one step at the multiplier the optimizer is about to use (it may have been changed
+        on the optimizer since make_private, as in Opacus); a step without noise makes the run
+        non-private for good (get_epsilon is then inf)."""
         from gaussdp.accounting import SubsampledGaussianEvent
 
-        assert self.noise_multiplier is not None and self.sample_rate is not None
-        if self.noise_multiplier > 0:
-            self.accountant.compose(SubsampledGaussianEvent(self.noise_multiplier, self.sample_rate))
+        assert self.sample_rate is not None
+        if sigma > 0:
+            self.accountant.compose(SubsampledGaussianEvent(sigma, self.sample_rate))
+        else:
+            if not self._unnoised_steps and self.noise_multiplier:
+                warnings.warn(
+                    "a step with noise_multiplier=0: training is NOT private from now on",
+                    NotPrivateWarning,
+                    stacklevel=3,
+                )
+            self._unnoised_steps += 1
+        self.noise_multiplier = sigma
         self.steps += 1
 
 

@@ -34,7 +34,9 @@ class DPOptimizer(Optimizer):
         generator: source of the noise (``gaussdp.torch._random``): a ``KeystreamNormal`` (the
             default), a ``torch.Generator`` (seeded runs, or where the keystream cannot run) or a
             :class:`gaussdp.noise.NoiseSource` (``noise="secure"``).
-        on_step: called before anything is released, to charge the accountant.
+        on_step: called with the noise multiplier before anything is released, to charge the
+            accountant at the multiplier actually used (``noise_multiplier`` may be changed between
+            steps, as in Opacus).
         loader: the Poisson data loader, to check every served sample was clipped as one row.
     """
 
@@ -46,7 +48,7 @@ class DPOptimizer(Optimizer):
         noise_multiplier: float,
         expected_batch_size: float,
         generator: Any,
-        on_step: Callable[[], None],
+        on_step: Callable[[float], None],
         loader: Any = None,
         check_moved: bool = True,
     ) -> None:
@@ -185,7 +187,13 @@ class DPOptimizer(Optimizer):
                 loss = closure()
         self.clipper.check_no_plain_gradients()
         self._check_samples()
-        self._on_step()  # charge before release
+        sigma = self.noise_multiplier
+        if not math.isfinite(sigma) or sigma < 0:
+            raise InvalidParameter(
+                f"noise_multiplier must be finite and >= 0, got noise_multiplier={sigma!r}; nothing was "
+                "charged or released"
+            )
+        self._on_step(sigma)  # charge before release, at the multiplier the noise uses
         noisy = self._noisy_sums()
         _all_reduce(noisy)
         for p, s in zip(self.params, noisy, strict=True):
