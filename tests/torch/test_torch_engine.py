@@ -220,6 +220,29 @@ def test_each_step_is_charged_at_the_multiplier_it_uses():
     assert engine.get_epsilon(1e-5) == math.inf
 
 
+def test_max_grad_norm_set_on_the_optimizer_clips_and_scales_the_noise():
+    """As in Opacus, optimizer.max_grad_norm may be changed between steps: it is the clipper's bound,
+    so clipping and the noise scale change together (update std sigma * C / (qN), 5 SE). It cannot
+    change while clipped sums are pending (they were clipped to the old bound), nor be set to 0."""
+    model, opt, dl = _linear_100(6, 2.0, clip=1.0)
+    opt.max_grad_norm = 0.25
+    assert opt.clipper.max_grad_norm == 0.25
+    (x,) = next(iter(dl))
+    model(x).sum().backward()
+    assert float(opt.clipper.last_norms.max()) > 0.25  # so the new bound clips
+    with pytest.raises(InvalidParameter, match="between backward"):
+        opt.max_grad_norm = 0.1
+    opt.zero_grad()
+    with pytest.raises(InvalidParameter, match="max_grad_norm"):
+        opt.max_grad_norm = 0.0
+    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    model(x).sum().backward()  # the clipped data (norm <= C per sample) is ~0.5% of the noise's std
+    opt.step()
+    noise = (before - torch.cat([p.detach().reshape(-1) for p in model.parameters()])).double()
+    expected = 2.0 * 0.25 / dl.expected_batch_size
+    assert abs(float(noise.std()) / expected - 1) < 5 / math.sqrt(2 * noise.numel())
+
+
 def test_per_layer_clipping_through_the_engine():
     """make_private(clipping="per_layer", max_grad_norm=[...]) as in Opacus: the noise std is
     sigma * sqrt(sum C_p^2) / (qN) (5 SE), and a list of the wrong length is refused by name."""

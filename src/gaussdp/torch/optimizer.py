@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from gaussdp._validate import check_positive
 from gaussdp.errors import InvalidParameter, UnsafeInput
 from gaussdp.torch._clipper import PerSampleClipper
 from gaussdp.torch._random import add_standard_normal_, noise_buffer
@@ -56,7 +57,6 @@ class DPOptimizer(Optimizer):
         self.original_optimizer = optimizer
         self.clipper = clipper
         self.noise_multiplier = float(noise_multiplier)
-        self.max_grad_norm = clipper.max_grad_norm
         self.expected_batch_size = float(expected_batch_size)
         self.generator = generator
         self._on_step = on_step
@@ -76,6 +76,26 @@ class DPOptimizer(Optimizer):
         self.params = [p for p in clipper.params]
         clipper.sum_scale = 1.0 / self.expected_batch_size  # sums arrive already averaged
         clipper.prefill = self._prefill
+
+    @property
+    def max_grad_norm(self) -> float:
+        """The clip bound ``C``: the clipper's, which is also the sensitivity the noise is scaled to."""
+        return self.clipper.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        # one number for clipping and noise: a noise scaled to a smaller C than the sums were
+        # clipped to would be an under-noised release
+        if self.clipper.clipping != "flat":
+            raise InvalidParameter(
+                "per-layer clipping bounds are fixed at make_private; max_grad_norm cannot be set"
+            )
+        if self.clipper.summed or self.clipper.samples:
+            raise InvalidParameter(
+                "max_grad_norm cannot change between backward() and step(): the pending sums were clipped "
+                "to the old bound; change it after step() or zero_grad()"
+            )
+        self.clipper.max_grad_norm = check_positive("max_grad_norm", value)
 
     # delegation so that schedulers and checkpoints see the user's optimizer
     @property
