@@ -82,17 +82,19 @@ class GaussianMechanism:
         noise: SourceKind | NoiseSource = "secure",
         seed: int | None = None,
     ) -> None:
-        self.sensitivity = check_positive("sensitivity", sensitivity)
-        self.source: NoiseSource = noise_source(noise, seed=seed) if seed is None else _seeded(seed)
-        slack = GRID_SLACK if self.source.float_safe else 0.0
-        self.accounted_sensitivity = self.sensitivity * (1.0 + slack)
+        # sigma, sensitivity, source and accounted_sensitivity are read-only: they were calibrated
+        # together, and releasing at one sensitivity while accounting for another would lie
+        self._sensitivity = check_positive("sensitivity", sensitivity)
+        self._source: NoiseSource = noise_source(noise, seed=seed) if seed is None else _seeded(seed)
+        slack = GRID_SLACK if self._source.float_safe else 0.0
+        self._accounted_sensitivity = self._sensitivity * (1.0 + slack)
         if sigma is not None:
             if epsilon is not None or delta is not None:
                 raise InvalidParameter(
                     "give either sigma=... or epsilon=... and delta=..., not both "
                     f"(got sigma={sigma!r}, epsilon={epsilon!r}, delta={delta!r})"
                 )
-            self.sigma = check_positive("sigma", sigma)
+            self._sigma = check_positive("sigma", sigma)
             self.target: tuple[float, float] | None = None
         else:
             if epsilon is None or delta is None:
@@ -102,10 +104,31 @@ class GaussianMechanism:
                 )
             eps = check_epsilon(epsilon)
             dlt = check_delta(delta)
-            self.sigma = sigma_for(
-                epsilon=eps, delta=dlt, sensitivity=self.accounted_sensitivity, method=method
+            self._sigma = sigma_for(
+                epsilon=eps, delta=dlt, sensitivity=self._accounted_sensitivity, method=method
             )
             self.target = (eps, dlt)
+
+    @property
+    def sigma(self) -> float:
+        """The noise standard deviation per coordinate."""
+        return self._sigma
+
+    @property
+    def sensitivity(self) -> float:
+        """The L2 bound records are clipped to (norm-bounded releases) or claimed for (add_noise)."""
+        return self._sensitivity
+
+    @property
+    def accounted_sensitivity(self) -> float:
+        """The sensitivity the privacy cost is computed for: ``sensitivity`` plus the float-safe
+        release's grid slack (``gaussdp.noise.GRID_SLACK``), or ``sensitivity`` for "fast"."""
+        return self._accounted_sensitivity
+
+    @property
+    def source(self) -> NoiseSource:
+        """Where the noise comes from."""
+        return self._source
 
     # --- what it costs -----------------------------------------------------------------------
 

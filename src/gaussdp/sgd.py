@@ -153,7 +153,7 @@ class PrivacyManager:
 
         self.epsilon = check_epsilon(epsilon)
         self.delta = check_delta(delta)
-        self.clip_norm = check_positive("clip_norm", clip_norm)
+        self._clip_norm = check_positive("clip_norm", clip_norm)
         self.num_rounds = _check_count("num_rounds", num_rounds)
         self.sample_rate = check_probability("sample_rate", sample_rate)
         self.expected_batch_size = (
@@ -171,7 +171,7 @@ class PrivacyManager:
         self.privacy_budget = PrivacyBudget(
             self.epsilon, self.delta, self.num_rounds, sample_rate=self.sample_rate, accountant=accountant
         )
-        self.noise_multiplier = float(self.privacy_budget.noise_multiplier)
+        self._noise_multiplier = float(self.privacy_budget.noise_multiplier)
         self.noise = noise
         self.seed = seed
         self.composition_requested: str | None = None
@@ -201,6 +201,18 @@ class PrivacyManager:
                 )
         self._mechanism = mech
         self._last_norms: np.ndarray = np.zeros(0)
+
+    # The clip bound and the noise were calibrated together: they are read-only, since clipping to a
+    # larger bound than the noise was scaled for would be an under-noised release.
+    @property
+    def clip_norm(self) -> float:
+        """The L2 bound each gradient (or each example's gradient) is clipped to."""
+        return self._clip_norm
+
+    @property
+    def noise_multiplier(self) -> float:
+        """sigma / clip_norm, calibrated so that num_rounds steps spend (epsilon, delta)."""
+        return self._noise_multiplier
 
     # -- configuration -----------------------------------------------------------------------------
     @classmethod

@@ -161,3 +161,18 @@ def test_torch_release():
     assert isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.shape == (3, 4)
     fast = GaussianMechanism(epsilon=1.0, delta=1e-5, noise="fast")
     assert fast.release(torch.zeros(3, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_calibrated_parameters_are_read_only():
+    """Releasing at a sensitivity other than the one the cost is computed for would print a wrong
+    epsilon: sigma, sensitivity, accounted_sensitivity and source cannot be reassigned."""
+    mech = GaussianMechanism(epsilon=1.0, delta=1e-5, sensitivity=1.0)
+    for name, value in [
+        ("sigma", 0.1),
+        ("sensitivity", 10.0),
+        ("accounted_sensitivity", 0.1),
+        ("source", None),
+    ]:
+        with pytest.raises(AttributeError):
+            setattr(mech, name, value)
+    assert mech.sensitivity == 1.0 and mech.epsilon(1e-5) == pytest.approx(1.0, rel=1e-9)

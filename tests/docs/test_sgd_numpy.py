@@ -328,3 +328,15 @@ def test_from_yaml_disabled_and_errors(tmp_path):
 
 def test_document_004_class_is_reexported():
     assert sgd.GaussianDifferentialPrivacy is gaussdp.paramdict.GaussianDifferentialPrivacy
+
+
+def test_clip_norm_and_noise_multiplier_cannot_be_changed_after_calibration():
+    """The noise was calibrated for clip_norm: clipping to a larger bound afterwards would release
+    gradients with too little noise, so both are read-only."""
+    pm = PrivacyManager(epsilon=1.0, delta=1e-5, clip_norm=1.0, num_rounds=10)
+    with pytest.raises(AttributeError):
+        pm.clip_norm = 10.0
+    with pytest.raises(AttributeError):
+        pm.noise_multiplier = 0.1
+    assert pm.clip_norm == 1.0
+    assert pm.get_noise_scale() == pytest.approx(pm.noise_multiplier * pm.clip_norm, rel=1e-5)
