@@ -10,6 +10,7 @@ from typing import Any
 from gaussdp.errors import InvalidParameter
 
 __all__ = [
+    "SetOnce",
     "check_choice",
     "check_delta",
     "check_epsilon",
@@ -72,3 +73,22 @@ def check_choice(name: str, value: Any, choices: Sequence[str]) -> Any:
         listed = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
         raise InvalidParameter(f"{name} must be {listed}, got {name}={value!r}")
     return value
+
+
+class SetOnce:
+    """Base for objects whose calibrated settings must not drift apart: each attribute named in
+    ``_CALIBRATED`` may be assigned once (in ``__init__``), never reassigned.
+
+    A release that clips to one bound while the noise or the charge was computed for another (say
+    ``obj.clip_norm = 10`` after calibrating for 1) would print an epsilon that is not true.
+    """
+
+    _CALIBRATED: frozenset[str] = frozenset()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._CALIBRATED and name in self.__dict__:
+            raise AttributeError(
+                f"{name} is fixed when the {type(self).__name__} is made (calibrated with the noise); "
+                "make a new one"
+            )
+        object.__setattr__(self, name, value)

@@ -50,7 +50,7 @@ import numpy as np
 from gaussdp import mechanism as _mechanism
 from gaussdp._npy_stream import SanitizeReport, sanitize_npy
 from gaussdp._rows import SEED_BLOCK_ROWS, check_seed, noise_rows, release_epsilon
-from gaussdp._validate import check_delta, check_positive, real_number
+from gaussdp._validate import SetOnce, check_delta, check_positive, real_number
 from gaussdp.clipping import clip_rows
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, UnsafeInput
 from gaussdp.noise import SourceKind
@@ -189,7 +189,7 @@ class DPConfig:
         return dataclasses.asdict(self)
 
 
-class EmbeddingSanitizer:
+class EmbeddingSanitizer(SetOnce):
     """Document 003's sanitizer: clip every row to ``clipping_norm``, then add Gaussian noise.
 
     Each row of the matrix passed to :meth:`sanitize` is one individual's embedding. Under
@@ -204,11 +204,18 @@ class EmbeddingSanitizer:
         noise: ``"secure"`` (default, floating-point safe) or ``"fast"``.
     """
 
+    _CALIBRATED = frozenset({"config", "mechanism"})  # gaussdp._validate.SetOnce: never reassigned
+
     def __init__(self, config: DPConfig, *, noise: SourceKind = "secure") -> None:
         if not isinstance(config, DPConfig):
             raise TypeError(f"config must be a DPConfig, got {type(config).__name__}")
         self.config = config
-        self.mechanism: GaussianMechanism | None = None
+        # The clipping norm bounds each row, hence it is the sensitivity (add/remove one row).
+        self.mechanism: GaussianMechanism | None = (
+            GaussianMechanism(config.epsilon, config.delta, config.clipping_norm, noise=noise)
+            if config.enabled
+            else None
+        )
         self._sanitization_count = 0
         self._norm_sum_before = 0.0
         self._norm_sum_after = 0.0
@@ -219,11 +226,6 @@ class EmbeddingSanitizer:
             "avg_norm_before_clip": 0.0,
             "avg_norm_after_clip": 0.0,
         }
-        if config.enabled:
-            # The clipping norm bounds each row, hence it is the sensitivity (add/remove one row).
-            self.mechanism = GaussianMechanism(
-                config.epsilon, config.delta, config.clipping_norm, noise=noise
-            )
 
     @property
     def sigma(self) -> float | None:

@@ -149,3 +149,22 @@ def test_seeded_rows_draw_fresh_noise_every_round() -> None:
     r1 = local.privatize_rows(deltas, [0, 1, 2, 3], round_num=1)
     r2 = local.privatize_rows(deltas, [0, 1, 2, 3], round_num=2)
     assert not np.array_equal(r1, r2)
+
+
+def test_calibrated_settings_are_set_once() -> None:
+    """LocalGaussian's clip_norm, sensitivity and sigma, and an EmbeddingSanitizer's config and
+    mechanism, were calibrated together: reassigning one (a larger clip norm, say) would release at a
+    sensitivity the charge was not computed for, so it is refused (gaussdp._validate.SetOnce)."""
+    from gaussdp.embeddings import DPConfig, EmbeddingSanitizer
+
+    local = LocalGaussian(clip_norm=0.5, epsilon=2.0, delta=1e-5, noise="fast")
+    for name in ("clip_norm", "sensitivity", "sigma"):
+        with pytest.raises(AttributeError, match="fixed when the LocalGaussian is made"):
+            setattr(local, name, 10.0)
+    san = EmbeddingSanitizer(DPConfig(enabled=True, epsilon=1.0, delta=1e-5, clipping_norm=1.0), noise="fast")
+    bigger = DPConfig(enabled=True, epsilon=1.0, delta=1e-5, clipping_norm=10.0)
+    with pytest.raises(AttributeError, match="fixed when the EmbeddingSanitizer is made"):
+        san.config = bigger
+    with pytest.raises(AttributeError, match="mechanism"):
+        san.mechanism = None
+    assert local.clip_norm == 0.5 and san.config.clipping_norm == 1.0

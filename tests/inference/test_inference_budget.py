@@ -151,3 +151,20 @@ def test_hf_generate_is_charged_per_forward_pass(tiny_gpt2, prompt):
     assert out.shape == (1, prompt.shape[1] + 3)
     # with the key/value cache: the prompt's T rows, then one row for each later token
     assert [h.event.get("count", 1) for h in ledger.history("alice")] == [prompt.shape[1], 1, 1]
+
+
+def test_calibrated_settings_cannot_be_reassigned(tiny_gpt2):
+    """clip_norm, sigma and the rest are set once: a larger clip_norm reassigned later would release
+    at a sensitivity the per-row charge was not computed for."""
+    priv = HiddenStatePrivatizer(tiny_gpt2, clip_norm=CLIP, sigma=SIGMA, ledger=None)
+    for name, value in [
+        ("clip_norm", 10.0),
+        ("sigma", 0.1),
+        ("noise_multiplier", 0.1),
+        ("neighbouring", "add-remove"),
+    ]:
+        with pytest.raises(AttributeError, match="fixed"):
+            setattr(priv, name, value)
+    assert (priv.clip_norm, priv.sigma) == (CLIP, SIGMA)
+    priv.last_release = None  # other attributes stay assignable
+    priv.remove()

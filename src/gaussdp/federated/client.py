@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from gaussdp._validate import check_positive
+from gaussdp._validate import SetOnce, check_positive
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, PrivacyError
 from gaussdp.federated._tree import flatten, tree_sub, unflatten_like
 from gaussdp.federated.rounds import RoundLedger
@@ -63,7 +63,7 @@ def clip_update(update: Any, global_params: Any, clip_norm: float) -> tuple[Any,
     return clip_tree(tree_sub(update, global_params), c)
 
 
-class LocalGaussian:
+class LocalGaussian(SetOnce):
     """Local DP for a client's update: clip the delta, charge the client's ledger, add noise, send.
 
     Give either ``epsilon`` and ``delta`` (per release; sigma calibrated exactly, Balle & Wang 2018,
@@ -80,6 +80,8 @@ class LocalGaussian:
         noise: ``"secure"`` (default) or ``"fast"``.
         seed: reproducible noise for experiments, **not private**.
     """
+
+    _CALIBRATED = frozenset({"clip_norm", "sensitivity", "sigma"})  # gaussdp._validate.SetOnce
 
     def __init__(
         self,

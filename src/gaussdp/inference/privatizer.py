@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gaussdp._validate import check_choice, check_delta, check_epsilon, check_positive
+from gaussdp._validate import SetOnce, check_choice, check_delta, check_epsilon, check_positive
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, UnsafeInput
 from gaussdp.inference._layers import resolve_layer, split_output
 
@@ -75,7 +75,7 @@ class ReleaseStats:
     snr: float
 
 
-class HiddenStatePrivatizer:
+class HiddenStatePrivatizer(SetOnce):
     """A forward hook that clips and noises one layer's hidden states and charges a session's budget.
 
     The noise is calibrated for one row (one token's hidden state, or one sequence) under the
@@ -111,6 +111,22 @@ class HiddenStatePrivatizer:
         InvalidParameter: a parameter out of range; both or neither of sigma and epsilon.
         LookupError: the layer could not be found.
     """
+
+    # calibrated together at construction (gaussdp._validate.SetOnce): never reassigned
+    _CALIBRATED = frozenset(
+        {
+            "clip_norm",
+            "sensitivity",
+            "neighbouring",
+            "per",
+            "sigma",
+            "noise_multiplier",
+            "delta",
+            "epsilon_per_row",
+            "noise_enabled",
+            "private",
+        }
+    )
 
     def __init__(
         self,
