@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gaussdp._validate import check_delta, check_epsilon, check_positive
+from gaussdp._validate import SetOnce, check_delta, check_epsilon, check_positive
 from gaussdp.calibration import Method, delta_for, epsilon_for, sigma_for
 from gaussdp.clipping import clip_rows
 from gaussdp.errors import InvalidParameter
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["GaussianMechanism"]
 
 
-class GaussianMechanism:
+class GaussianMechanism(SetOnce):
     """One (epsilon, delta)-DP release of a vector of bounded L2 sensitivity.
 
     Args:
@@ -71,6 +71,10 @@ class GaussianMechanism:
     (3.7306, 1.0, True)
     """
 
+    # calibrated together: set once (gaussdp._validate.SetOnce), since releasing at one sensitivity
+    # while accounting for another would print a wrong epsilon
+    _CALIBRATED = frozenset({"sigma", "sensitivity", "accounted_sensitivity", "source"})
+
     def __init__(
         self,
         *,
@@ -82,19 +86,17 @@ class GaussianMechanism:
         noise: SourceKind | NoiseSource = "secure",
         seed: int | None = None,
     ) -> None:
-        # sigma, sensitivity, source and accounted_sensitivity are read-only: they were calibrated
-        # together, and releasing at one sensitivity while accounting for another would lie
-        self._sensitivity = check_positive("sensitivity", sensitivity)
-        self._source: NoiseSource = noise_source(noise, seed=seed) if seed is None else _seeded(seed)
-        slack = GRID_SLACK if self._source.float_safe else 0.0
-        self._accounted_sensitivity = self._sensitivity * (1.0 + slack)
+        self.sensitivity = check_positive("sensitivity", sensitivity)
+        self.source: NoiseSource = noise_source(noise, seed=seed) if seed is None else _seeded(seed)
+        slack = GRID_SLACK if self.source.float_safe else 0.0
+        self.accounted_sensitivity = self.sensitivity * (1.0 + slack)
         if sigma is not None:
             if epsilon is not None or delta is not None:
                 raise InvalidParameter(
                     "give either sigma=... or epsilon=... and delta=..., not both "
                     f"(got sigma={sigma!r}, epsilon={epsilon!r}, delta={delta!r})"
                 )
-            self._sigma = check_positive("sigma", sigma)
+            self.sigma = check_positive("sigma", sigma)
             self.target: tuple[float, float] | None = None
         else:
             if epsilon is None or delta is None:
@@ -104,31 +106,10 @@ class GaussianMechanism:
                 )
             eps = check_epsilon(epsilon)
             dlt = check_delta(delta)
-            self._sigma = sigma_for(
-                epsilon=eps, delta=dlt, sensitivity=self._accounted_sensitivity, method=method
+            self.sigma = sigma_for(
+                epsilon=eps, delta=dlt, sensitivity=self.accounted_sensitivity, method=method
             )
             self.target = (eps, dlt)
-
-    @property
-    def sigma(self) -> float:
-        """The noise standard deviation per coordinate."""
-        return self._sigma
-
-    @property
-    def sensitivity(self) -> float:
-        """The L2 bound records are clipped to (norm-bounded releases) or claimed for (add_noise)."""
-        return self._sensitivity
-
-    @property
-    def accounted_sensitivity(self) -> float:
-        """The sensitivity the privacy cost is computed for: ``sensitivity`` plus the float-safe
-        release's grid slack (``gaussdp.noise.GRID_SLACK``), or ``sensitivity`` for "fast"."""
-        return self._accounted_sensitivity
-
-    @property
-    def source(self) -> NoiseSource:
-        """Where the noise comes from."""
-        return self._source
 
     # --- what it costs -----------------------------------------------------------------------
 

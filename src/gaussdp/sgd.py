@@ -48,7 +48,14 @@ from typing import Any
 import numpy as np
 
 from gaussdp import mechanism as _mechanism
-from gaussdp._validate import check_choice, check_delta, check_epsilon, check_positive, check_probability
+from gaussdp._validate import (
+    SetOnce,
+    check_choice,
+    check_delta,
+    check_epsilon,
+    check_positive,
+    check_probability,
+)
 from gaussdp.clipping import clip_rows, clip_tree
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, UnsafeInput
 from gaussdp.noise import SourceKind
@@ -116,7 +123,7 @@ def _float_from_config(name: str, value: Any) -> Any:
     return value
 
 
-class PrivacyManager:
+class PrivacyManager(SetOnce):
     """Document 001's DP-SGD privacy manager, calibrated so the whole run is ``(epsilon, delta)``-DP.
 
     Args:
@@ -136,6 +143,10 @@ class PrivacyManager:
         InvalidParameter / TypeError: a parameter out of range or of the wrong type.
     """
 
+    # the clip bound and the noise were calibrated together: set once (gaussdp._validate.SetOnce),
+    # since clipping to a larger bound than the noise was scaled for would under-noise
+    _CALIBRATED = frozenset({"clip_norm", "noise_multiplier"})
+
     def __init__(
         self,
         epsilon: float,
@@ -153,7 +164,7 @@ class PrivacyManager:
 
         self.epsilon = check_epsilon(epsilon)
         self.delta = check_delta(delta)
-        self._clip_norm = check_positive("clip_norm", clip_norm)
+        self.clip_norm = check_positive("clip_norm", clip_norm)
         self.num_rounds = _check_count("num_rounds", num_rounds)
         self.sample_rate = check_probability("sample_rate", sample_rate)
         self.expected_batch_size = (
@@ -171,7 +182,7 @@ class PrivacyManager:
         self.privacy_budget = PrivacyBudget(
             self.epsilon, self.delta, self.num_rounds, sample_rate=self.sample_rate, accountant=accountant
         )
-        self._noise_multiplier = float(self.privacy_budget.noise_multiplier)
+        self.noise_multiplier = float(self.privacy_budget.noise_multiplier)
         self.noise = noise
         self.seed = seed
         self.composition_requested: str | None = None
@@ -201,18 +212,6 @@ class PrivacyManager:
                 )
         self._mechanism = mech
         self._last_norms: np.ndarray = np.zeros(0)
-
-    # The clip bound and the noise were calibrated together: they are read-only, since clipping to a
-    # larger bound than the noise was scaled for would be an under-noised release.
-    @property
-    def clip_norm(self) -> float:
-        """The L2 bound each gradient (or each example's gradient) is clipped to."""
-        return self._clip_norm
-
-    @property
-    def noise_multiplier(self) -> float:
-        """sigma / clip_norm, calibrated so that num_rounds steps spend (epsilon, delta)."""
-        return self._noise_multiplier
 
     # -- configuration -----------------------------------------------------------------------------
     @classmethod
