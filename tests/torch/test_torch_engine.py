@@ -464,6 +464,9 @@ def test_secure_noise_source_level():
     assert abs(float(noise.std()) / expected - 1) < 5 / math.sqrt(2 * noise.numel())
     with pytest.raises(InvalidParameter, match="noise"):
         PrivacyEngine(noise="laplace")
+    # get_epsilon prints upper bounds only: the CLT approximation is refused by name
+    with pytest.raises(InvalidParameter, match="accountant='gdp' is an approximation"):
+        PrivacyEngine(accountant="gdp")
 
 
 @pytest.mark.skipif(not keystream_normal_available(), reason="gaussdp._gauss or cryptography missing")

@@ -7,7 +7,13 @@ Neighbouring relation everywhere: add/remove of one record. Every accountant exc
 from __future__ import annotations
 
 from gaussdp.accounting.advanced import AdvancedComposition
-from gaussdp.accounting.base import Accountant, UnsupportedEvent, accountant, available_accountants
+from gaussdp.accounting.base import (
+    Accountant,
+    UnsupportedEvent,
+    accountant,
+    available_accountants,
+    upper_bound_accountant,
+)
 from gaussdp.accounting.basic import BasicComposition
 from gaussdp.accounting.documents import (
     BudgetState,
@@ -65,4 +71,5 @@ __all__ = [
     "estimate_noise_scale",
     "event_from_dict",
     "noise_for_epsilon",
+    "upper_bound_accountant",
 ]

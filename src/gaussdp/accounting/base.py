@@ -243,6 +243,26 @@ def accountant(name: str = "pld", **options: Any) -> Accountant:
     return reg[key](**options)
 
 
+def upper_bound_accountant(name: str = "pld", **options: Any) -> Accountant:
+    """:func:`accountant`, refused when it is an approximation whose epsilon could be too small.
+
+    Every epsilon gaussdp prints, enforces as a budget or calibrates noise for must be an upper
+    bound: "gdp" (central limit theorem) is only for plots and comparisons.
+
+    >>> upper_bound_accountant("gdp")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    gaussdp.errors.InvalidParameter: accountant='gdp' is an approximation, not an upper bound: ...
+    """
+    acc = accountant(name, **options)
+    if acc.approximate:
+        raise InvalidParameter(
+            f"accountant={name!r} is an approximation, not an upper bound: use 'pld', 'rdp', 'advanced' "
+            "or 'basic'"
+        )
+    return acc
+
+
 def fixed_leaves(counts: dict[Event, int]) -> list[tuple[EpsilonDeltaEvent, int]]:
     """The (epsilon, delta) events among ``counts``."""
     return [(e, c) for e, c in counts.items() if isinstance(e, EpsilonDeltaEvent)]

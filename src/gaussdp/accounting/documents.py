@@ -37,7 +37,7 @@ from gaussdp._validate import (
     real_number,
 )
 from gaussdp.accounting.advanced import advanced_bound
-from gaussdp.accounting.base import Accountant
+from gaussdp.accounting.base import Accountant, upper_bound_accountant
 from gaussdp.accounting.base import accountant as make_accountant
 from gaussdp.accounting.events import (
     EpsilonDeltaEvent,
@@ -143,7 +143,7 @@ class PrivacyBudget:
         self.num_rounds = check_count(num_rounds, "num_rounds")
         self.sample_rate = check_probability("sample_rate", sample_rate)
         self.accountant_name = accountant
-        self._acc: Accountant = _upper_bound_accountant(accountant)  # the budget must provably hold
+        self._acc: Accountant = upper_bound_accountant(accountant)  # the budget must provably hold
         self.noise_multiplier = noise_for_epsilon(
             target_epsilon=self.epsilon,
             delta=self.delta,
@@ -227,17 +227,6 @@ def compute_delta_from_epsilon(
     if steps == 1 and sample_rate == 1.0:
         return delta_for(sigma=sigma, epsilon=epsilon, sensitivity=sensitivity)
     return _composed(sigma / sensitivity, sample_rate, steps, accountant).delta(epsilon)
-
-
-def _upper_bound_accountant(name: str) -> Accountant:
-    """The named accountant, refused if it is an approximation (its epsilon could be too small)."""
-    acc = make_accountant(name)
-    if acc.approximate:
-        raise InvalidParameter(
-            f"accountant={name!r} is an approximation, not an upper bound: a total or a budget check "
-            "needs 'pld', 'rdp', 'advanced' or 'basic'"
-        )
-    return acc
 
 
 def _composed(noise_multiplier: float, sample_rate: float, steps: int, accountant: str) -> Accountant:
@@ -371,7 +360,7 @@ class PrivacyAccountant:
             None if target_epsilon is None else check_epsilon(target_epsilon, "target_epsilon")
         )
         self.target_delta = None if target_delta is None else check_delta(target_delta, "target_delta")
-        _upper_bound_accountant(accountant)  # validate the name; totals must be upper bounds
+        upper_bound_accountant(accountant)  # validate the name; totals must be upper bounds
         self.accountant_name = accountant
         self.expenditures: list[PrivacyExpenditure] = []
         self.ledger: Any = None
@@ -478,7 +467,7 @@ class PrivacyAccountant:
         name = accountant or self.accountant_name
         if name == "basic" or total_delta <= 0.0 or total_delta >= 1.0:
             return (basic_eps, total_delta)
-        acc = _upper_bound_accountant(name)
+        acc = upper_bound_accountant(name)
         for e in self.expenditures:
             acc.compose(e.event if e.event is not None else EpsilonDeltaEvent(e.epsilon, e.delta))
         return (min(basic_eps, acc.epsilon(total_delta)), total_delta)
@@ -490,7 +479,7 @@ class PrivacyAccountant:
         name = accountant or self.accountant_name
         if name == self.ledger.accountant(self.principal):
             return (float(spent.epsilon), float(spent.delta))
-        acc = _upper_bound_accountant(name)
+        acc = upper_bound_accountant(name)
         for ev, count in self.ledger.events(self.principal):
             acc.compose(ev, count)
         return (min(float(spent.epsilon), acc.epsilon(spent.delta)), float(spent.delta))

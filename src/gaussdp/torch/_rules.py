@@ -204,7 +204,7 @@ def _mha(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
     b_q = b_k = b_v = None
     if m.in_proj_bias is not None:
         b_q, b_k, b_v = m.in_proj_bias.detach().chunk(3)
-    w_o, b_o = m.out_proj.weight.detach(), m.out_proj.bias
+    w_o = m.out_proj.weight.detach()
     mask = _float_mask(bound.get("attn_mask"), dtype)
     if mask is not None:
         mask = mask.view(b, h, tgt, src) if mask.dim() == 3 else mask.view(1, 1, tgt, src)
@@ -281,10 +281,18 @@ def _mha(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
     if "in_proj_bias" in owned:
         gb = torch.cat((gq.sum(1), gk.sum(1), gv.sum(1)), dim=-1)
         out.append((owned["in_proj_bias"], DensePart(gb, m.in_proj_bias.shape)))
-    if g_out is not None and "out_proj.weight" in owned:
-        out.append((owned["out_proj.weight"], LinearPart(o.to(dtype), g_out, w_o.shape)))
-    if g_out is not None and b_o is not None and "out_proj.bias" in owned:
-        out.append((owned["out_proj.bias"], DensePart(g_out.sum(1), b_o.shape)))
+    if g_out is not None:
+        out += _out_proj_parts(m, owned, o.to(dtype), g_out)
+    return out
+
+
+def _out_proj_parts(m: nn.MultiheadAttention, owned: dict, o: torch.Tensor, g_out: torch.Tensor) -> list:
+    """The output projection's parts: its input ``o`` (B, T, E) and output gradient ``g_out``."""
+    out: list[tuple[nn.Parameter, Part]] = []
+    if "out_proj.weight" in owned:
+        out.append((owned["out_proj.weight"], LinearPart(o, g_out, m.out_proj.weight.shape)))
+    if "out_proj.bias" in owned and m.out_proj.bias is not None:
+        out.append((owned["out_proj.bias"], DensePart(g_out.sum(1), m.out_proj.bias.shape)))
     return out
 
 
@@ -391,12 +399,8 @@ def mha_captured_parts(module, args, kwargs, grads, owned, cap):  # type: ignore
         out.append((owned["in_proj_weight"], LinearPart(x, g_qkv, m.in_proj_weight.shape)))
     if "in_proj_bias" in owned:
         out.append((owned["in_proj_bias"], DensePart(g_qkv.sum(1), m.in_proj_bias.shape)))
-    if "out_proj.weight" in owned:
-        o = tokens(cap.output).to(torch.promote_types(x.dtype, torch.float32))
-        out.append((owned["out_proj.weight"], LinearPart(o, g_out, m.out_proj.weight.shape)))
-    if "out_proj.bias" in owned and m.out_proj.bias is not None:
-        out.append((owned["out_proj.bias"], DensePart(g_out.sum(1), m.out_proj.bias.shape)))
-    return out
+    o = tokens(cap.output).to(torch.promote_types(x.dtype, torch.float32))
+    return out + _out_proj_parts(m, owned, o, g_out)
 
 
 def _is_hf_conv1d(module: nn.Module) -> bool:

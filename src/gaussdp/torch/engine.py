@@ -38,7 +38,8 @@ class PrivacyEngine:
     """Makes a module, optimizer and data loader private; keeps the privacy ledger of the run.
 
     Args:
-        accountant: name for ``gaussdp.accounting.accountant`` ("pld" default, "rdp", "gdp", ...).
+        accountant: name for ``gaussdp.accounting.upper_bound_accountant``: "pld" (default,
+            tightest), "rdp", "advanced" or "basic"; "gdp" is refused (an approximation).
         noise: "fast" (default): an AES-128-CTR keystream keyed from the OS CSPRNG, turned into
             normals by a vectorised Box-Muller (``gaussdp.torch._random.KeystreamNormal``; faster
             than ``torch.randn``); where ``cryptography`` or the compiled ``gaussdp._gauss`` is
@@ -61,12 +62,12 @@ class PrivacyEngine:
     """
 
     def __init__(self, accountant: str = "pld", *, noise: str = "fast", seed: int | None = None) -> None:
-        from gaussdp.accounting import accountant as make_accountant
+        from gaussdp.accounting import upper_bound_accountant
 
         check_choice("noise", noise, ("fast", "secure"))
         self.noise = noise
         self.accountant_name = accountant
-        self.accountant = make_accountant(accountant)
+        self.accountant = upper_bound_accountant(accountant)  # get_epsilon prints upper bounds only
         self.seed = seed
         self.steps = 0
         self.noise_multiplier: float | None = None

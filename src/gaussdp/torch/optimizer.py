@@ -157,8 +157,7 @@ class DPOptimizer(Optimizer):
         std = self._std()
         if std <= 0 or p.device.type != "cpu":
             return None
-        dtype = torch.promote_types(p.dtype, torch.float32)
-        return noise_buffer(self.generator, p.shape, dtype, std), std
+        return noise_buffer(self.generator, p.shape, _sum_dtype(p), std), std
 
     def _check_samples(self) -> None:
         if self._loader is None:
@@ -190,9 +189,8 @@ class DPOptimizer(Optimizer):
         out = []
         for p in self.params:
             s = self.clipper.summed.get(p)
-            dtype = s.dtype if s is not None else torch.promote_types(p.dtype, torch.float32)
             if s is None:
-                s = torch.zeros(p.shape, dtype=dtype, device=p.device)
+                s = torch.zeros(p.shape, dtype=_sum_dtype(p), device=p.device)
             extra = math.sqrt(max(0.0, std * std - self.clipper.noised.get(p, 0.0) ** 2))
             if extra > 0:
                 add_standard_normal_(self.generator, s, extra)  # in place, through a small host scratch
@@ -237,6 +235,11 @@ class DPOptimizer(Optimizer):
         for p in self.params:
             p.grad = None
         return loss
+
+
+def _sum_dtype(p: torch.nn.Parameter) -> torch.dtype:
+    """The dtype clipped sums are kept in: float32 at least (bf16/fp16 parameters), float64 kept."""
+    return torch.promote_types(p.dtype, torch.float32)
 
 
 def _moves(optimizer: Optimizer) -> bool:
