@@ -96,6 +96,29 @@ def test_linear_non_contiguous_input():
     check(nn.Sequential(nn.Linear(4, 3)), [x])
 
 
+@pytest.mark.parametrize(("d_in", "d_out"), [(3, 6), (6, 3)])
+@pytest.mark.parametrize("which", ["a", "g", "both"])
+def test_linear_part_sum_reads_position_major_storage(d_in, d_out, which):
+    """Inputs or gradients stored (T, B, d) and seen as (B, T, d) views (the packed attention
+    gradient): the weighted sum, also into an accumulator, equals the per-sample loop's."""
+    torch.manual_seed(0)
+    b, t = 4, 5
+    a, g = torch.randn(b, t, d_in, dtype=torch.float64), torch.randn(b, t, d_out, dtype=torch.float64)
+    w = torch.rand(b, dtype=torch.float64)
+    want = sum(w[i] * g[i].T @ a[i] for i in range(b))
+
+    def position_major(x):
+        return x.transpose(0, 1).contiguous().transpose(0, 1)
+
+    a_s = position_major(a) if which in ("a", "both") else a
+    g_s = position_major(g) if which in ("g", "both") else g
+    part = LinearPart(a_s, g_s, torch.Size((d_out, d_in)))
+    torch.testing.assert_close(part.weighted_sum(w), want)
+    acc = torch.ones(d_out, d_in, dtype=torch.float64)
+    part.weighted_sum(w, out=acc)  # added in place
+    torch.testing.assert_close(acc, want + 1)
+
+
 class TokenModel(nn.Module):
     """Token + position embeddings; position ids are an ``.expand()``ed (stride 0) tensor."""
 
@@ -304,24 +327,29 @@ class SelfAttentionBlock(nn.Module):
         return self.head(out).mean(1)
 
 
-def test_multihead_attention_from_its_graph_matches_brute_force(monkeypatch):
-    """The attention's own saved output and q/k/v gradients replace the recomputation; the norms and
-    clipped sums still match the per-example loop, and the captured path is the one taken."""
+@pytest.mark.parametrize("packed", [True, False])
+def test_multihead_attention_from_its_graph_matches_brute_force(monkeypatch, packed):
+    """The attention's own saved output and the gradient of its packed q/k/v projection (or, where
+    that node is not found, the q/k/v gradients) replace the recomputation; the norms and clipped
+    sums still match the per-example loop, and the captured path is the one taken."""
     import gaussdp.torch._clipper as clipper_module
+    import gaussdp.torch._rules as rules_module
 
-    used = []
+    kinds = []
     real = clipper_module.mha_captured_parts
 
     def spy(*args):
-        used.append(1)
+        kinds.append("packed" if isinstance(args[-1].grads, torch.Tensor) else "q/k/v")
         return real(*args)
 
     monkeypatch.setattr(clipper_module, "mha_captured_parts", spy)
+    if not packed:
+        monkeypatch.setattr(rules_module, "_packed_projection", lambda *a: None)
     torch.manual_seed(0)
     mask = torch.zeros(5, 4, dtype=torch.bool)
     mask[:2, -1] = True
     check(SelfAttentionBlock(), [torch.randn(5, 4, 8), mask])
-    assert used, "the captured attention path was not used"
+    assert kinds and set(kinds) == {"packed" if packed else "q/k/v"}, kinds
 
 
 def test_transformer_encoder_layer_captured_and_recomputed_agree(monkeypatch):

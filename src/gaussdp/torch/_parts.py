@@ -122,11 +122,18 @@ class LinearPart:
         if self._ps is not None:
             return DensePart(self._ps, self.shape).weighted_sum(w, out)
         a, g = _acc(self.a), _acc(self.g)
-        w3 = w.to(g.dtype).view(-1, 1, 1)
-        if g.shape[-1] <= a.shape[-1]:  # scale the smaller operand: one temporary of that size
-            g = g * w3
-        else:
-            a = a * w3
+        small_g = g.shape[-1] <= a.shape[-1]
+        big = a if small_g else g
+        # The sum runs over all (sample, position) rows in any order: (T, B) order where the larger
+        # operand is stored that way (a transposed view, e.g. a packed attention gradient), so it
+        # is read in place; the smaller one is scaled by w into a temporary laid out to match.
+        tb = not big.is_contiguous() and big.transpose(0, 1).is_contiguous()
+        if tb:
+            a, g = a.transpose(0, 1), g.transpose(0, 1)
+        small = g if small_g else a
+        ws = w.to(small.dtype).view((1, -1, 1) if tb else (-1, 1, 1))
+        scaled = torch.mul(small, ws, out=torch.empty(small.shape, dtype=small.dtype, device=small.device))
+        a, g = (a, scaled) if small_g else (scaled, g)
         a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
         left, right = (a2.T, g2) if self.transposed else (g2.T, a2)
         if out is not None and out.dtype == left.dtype and out.is_contiguous():

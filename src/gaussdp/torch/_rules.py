@@ -303,25 +303,80 @@ class MHACapture:
     ``nn.TransformerEncoderLayer``), the attention node already holds its output (the input of the
     output projection, in head layout) and its backward receives the gradients of q, k and v, which
     are the gradients of the packed input projection's output: between that projection and the
-    attention there are only views, transposes and a contiguous copy. A hook on the node keeps
-    those gradients, so the per-sample parts need no second forward or backward of the attention.
-    Any other shape of graph leaves ``None`` and the recomputing rule is used.
+    attention there are only views, transposes, selects and a contiguous copy. Where the node that
+    made the packed projection is found, a hook on it keeps the packed gradient that autograd forms
+    anyway (``(T, B, 3E)``, no copy of ours); otherwise a hook on the attention node keeps q, k, v.
+    Either way the per-sample parts need no second forward or backward of the attention. Any other
+    shape of graph leaves ``None`` and the recomputing rule is used.
     """
 
     __slots__ = ("grads", "handle", "on_ready", "output")
 
-    def __init__(self, output: torch.Tensor, node: Any) -> None:
+    def __init__(self, output: torch.Tensor, node: Any, packed: Any = None) -> None:
         self.output = output.detach()
-        self.grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # the packed gradient as (B, T, 3E) (a transposed view), or (q, k, v) in head layout
+        self.grads: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.on_ready: Any = None  # called once the gradients are kept
-        self.handle = node.register_hook(self._keep)
+        if packed is None:
+            self.handle = node.register_hook(self._keep)
+        else:
+            self.handle = packed.register_prehook(self._keep_packed)
+
+    def _ready(self) -> None:
+        if self.on_ready is not None:
+            self.on_ready()
 
     def _keep(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
         gq, gk, gv = grad_inputs[:3]
         if gq is not None and gk is not None and gv is not None:
             self.grads = (gq.detach(), gk.detach(), gv.detach())
-            if self.on_ready is not None:
-                self.on_ready()
+            self._ready()
+
+    def _keep_packed(self, grad_outputs: tuple) -> None:
+        g = grad_outputs[0]
+        if g is not None:
+            self.grads = g.detach().transpose(0, 1)
+            self._ready()
+
+
+# what lies between the packed projection and the attention: views and one contiguous copy
+_VIEW_NODES = frozenset(
+    {
+        "ViewBackward0",
+        "TransposeBackward0",
+        "SelectBackward0",
+        "CloneBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "UnsqueezeBackward0",
+        "UnsafeViewBackward0",
+    }
+)
+
+
+def _packed_projection(attention: Any, packed_shape: tuple[int, int, int]) -> Any:
+    """The autograd node whose output is the packed q/k/v projection ``(T, B, 3E)`` feeding all three
+    inputs of ``attention``, or None. Each input is followed back through views only, to the view
+    that splits a tensor of ``packed_shape``; the three must meet at the same one."""
+    found = []
+    for i in range(3):
+        node = attention.next_functions[i][0]
+        for _ in range(12):
+            if node is None or node.name() not in _VIEW_NODES:
+                return None
+            if tuple(getattr(node, "_saved_self_sym_sizes", ())) == packed_shape:
+                break
+            nexts = [f for f, _ in node.next_functions if f is not None]
+            if len(nexts) != 1:
+                return None
+            node = nexts[0]
+        else:
+            return None
+        found.append(node)
+    if not (found[0] is found[1] is found[2]):
+        return None
+    nexts = [f for f, _ in found[0].next_functions if f is not None]
+    return nexts[0] if len(nexts) == 1 else None
 
 
 _MHA_NAMES = (
@@ -377,7 +432,7 @@ def mha_capture(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> MH
     saved = [getattr(node, f"_saved_{n}", None) for n in ("output", "query", "key", "value")]
     if not all(isinstance(x, torch.Tensor) and tuple(x.shape) == want for x in saved):
         return None
-    return MHACapture(saved[0], node)
+    return MHACapture(saved[0], node, _packed_projection(node, (t, b, 3 * e)))
 
 
 def mha_captured_parts(module, args, kwargs, grads, owned, cap):  # type: ignore[no-untyped-def]
@@ -393,7 +448,10 @@ def mha_captured_parts(module, args, kwargs, grads, owned, cap):  # type: ignore
     def tokens(z: torch.Tensor) -> torch.Tensor:  # (B, heads, T, head_dim) -> (B, T, E)
         return z.permute(0, 2, 1, 3).reshape(b, t, e)
 
-    g_qkv = torch.cat([tokens(g) for g in cap.grads], dim=-1)  # rows of in_proj_weight: q, k, v
+    if isinstance(cap.grads, torch.Tensor):
+        g_qkv = cap.grads  # the packed projection's output gradient, (B, T, 3E)
+    else:
+        g_qkv = torch.cat([tokens(g) for g in cap.grads], dim=-1)  # rows of in_proj_weight: q, k, v
     out: list[tuple[nn.Parameter, Part]] = []
     if "in_proj_weight" in owned:
         out.append((owned["in_proj_weight"], LinearPart(x, g_qkv, m.in_proj_weight.shape)))
