@@ -119,6 +119,72 @@ def test_linear_part_sum_reads_position_major_storage(d_in, d_out, which):
     torch.testing.assert_close(acc, want + 1)
 
 
+class ReluSideOutput(nn.Module):
+    """The ReLU output also reaches the loss directly: the second layer is not its only consumer."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 12)
+
+    def forward(self, x):
+        a = torch.relu(self.l1(x))
+        return self.l2(a) + a[..., :12]
+
+
+def _relu_fed_spy(monkeypatch):
+    """Record, per backward pass, whether a ReluFedPart was formed."""
+    import gaussdp.torch._clipper as clipper_module
+
+    seen = []
+    real = clipper_module.PerSampleClipper._relu_fed
+
+    def spy(module, pairs, l2):
+        out = real(module, pairs, l2)
+        seen.append(any(isinstance(q, clipper_module.ReluFedPart) for _, q in out))
+        return out
+
+    monkeypatch.setattr(clipper_module.PerSampleClipper, "_relu_fed", staticmethod(spy))
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("make", "recomputed"),
+    [
+        (lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12)), True),
+        (lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 12)), True),
+        (lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.0), nn.Linear(16, 12)), True),
+        (ReluSideOutput, False),  # another consumer: recomputing from l2 alone would be wrong
+    ],
+)
+def test_linear_relu_linear_output_gradient_recomputed(monkeypatch, make, recomputed):
+    """Linear -> ReLU -> Linear on sequences: the first layer's output gradient is not kept but
+    recomputed from the second layer's input and output gradient; norms and clipped sums match the
+    per-example loop exactly, and the recomputation happens only where the ReLU output has no other
+    consumer. (Sizes where both layers keep ghost-norm parts, not per-sample gradients.)"""
+    seen = _relu_fed_spy(monkeypatch)
+    torch.manual_seed(0)
+    check(make(), [torch.randn(5, 4, 8)])
+    assert any(seen) == recomputed, seen
+
+
+def test_linear_relu_linear_not_recomputed_when_output_gradient_is_small(monkeypatch):
+    """Without a sequence (the output gradient smaller than the weight), nothing is recomputed."""
+    seen = _relu_fed_spy(monkeypatch)
+    torch.manual_seed(0)
+    check(nn.Sequential(nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3)), [torch.randn(5, 16)])
+    assert seen and not any(seen)
+
+
+def test_transformer_encoder_recomputes_feed_forward_gradient(monkeypatch):
+    """nn.TransformerEncoder (ReLU feed-forward, dropout 0): recomputed in every layer, exact."""
+    seen = _relu_fed_spy(monkeypatch)
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    check(model, [torch.randn(6, 5, 8).requires_grad_()], rtol=1e-8, atol=1e-9)
+    assert seen == [True, True]
+
+
 class TokenModel(nn.Module):
     """Token + position embeddings; position ids are an ``.expand()``ed (stride 0) tensor."""
 

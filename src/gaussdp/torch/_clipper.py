@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gaussdp._validate import check_choice, check_positive
 from gaussdp.errors import InvalidParameter, PrivacyError, UnsafeInput
-from gaussdp.torch._parts import DensePart, LinearPart, Part, combine
+from gaussdp.torch._parts import DensePart, LinearPart, Part, ReluFedPart, combine
 from gaussdp.torch._rules import mha_capture, mha_captured_parts, owned_parameters, rule_for, vmap_parts
 
 __all__ = ["PerSampleClipper"]
@@ -49,9 +49,11 @@ class _Call:
         "grads",
         "kwargs",
         "module",
+        "out_node",
         "pairs",
         "pending",
         "reached",
+        "relu",
         "used",
         "versions",
     )
@@ -64,6 +66,8 @@ class _Call:
         self.pending = 0  # hooked outputs whose gradient has not arrived yet
         self.versions = _versions(args) + _versions(kwargs)
         self.capture: Any = None  # what the call's autograd graph offers (attention: see _rules)
+        self.out_node: Any = None  # a linear layer's output node (to find a ReLU and layer after it)
+        self.relu: _ReluLink | None = None  # the linear layer this one's output feeds through ReLU
         # (parameter, part, squared norms or None) once built, possibly during the backward pass
         self.pairs: list[tuple[nn.Parameter, Part, torch.Tensor | None]] | None = None
 
@@ -78,6 +82,35 @@ class _Call:
                 f"an input of {type(self.module).__name__} was modified in place after its forward "
                 "call; its per-sample gradients cannot be computed (use an out-of-place operation)"
             )
+
+
+class _ReluLink:
+    """A linear layer ``l2`` whose input is ``relu(output of this call)`` and nothing else's.
+
+    Set up in ``l2``'s forward: ``l2`` is given an alias of the ReLU output, and two gradient hooks
+    compare what reaches the alias (``l2``'s contribution) with the total that reaches the ReLU
+    output. Only if they are one tensor (no other consumer added anything) is the first layer's
+    output gradient recomputable from ``l2``'s part (:class:`gaussdp.torch._parts.ReluFedPart`).
+    """
+
+    __slots__ = ("contribution", "l2", "sole")
+
+    def __init__(self, l2: _Call) -> None:
+        self.l2 = l2
+        self.contribution: torch.Tensor | None = None
+        self.sole = False
+
+    def keep(self, grad: torch.Tensor) -> None:
+        self.contribution = grad
+
+    def compare(self, total: torch.Tensor) -> None:
+        mine, self.contribution = self.contribution, None
+        self.sole = (
+            mine is not None
+            and total.data_ptr() == mine.data_ptr()
+            and total.shape == mine.shape
+            and total.stride() == mine.stride()
+        )
 
 
 def _compact(part: Part) -> Part:
@@ -177,6 +210,7 @@ class PerSampleClipper:
         self._enabled = True
         self._queued = False
         self._batch: int | None = None
+        self._link_pending: tuple[nn.Module, _Call, torch.Tensor] | None = None
         self._uses: dict[nn.Parameter, int] | None = None
         self._anchor = torch.zeros((), requires_grad=True)
         self.summed: dict[nn.Parameter, torch.Tensor] = {}
@@ -234,6 +268,8 @@ class PerSampleClipper:
             return None
         for p in self._owned[module].values():
             p.requires_grad_(False)
+        if isinstance(module, nn.Linear) and self.clipping == "flat" and args:
+            return self._alias_relu_input(module, args, kwargs)
         # Position ids of shape (1, T) broadcast against a batch of B (Hugging Face GPT-2): the
         # output gradient would arrive summed over the batch, so per-sample gradients would be lost.
         # The lookup is made per sample instead (an expand, no copy), as if the ids were expanded.
@@ -242,6 +278,20 @@ class PerSampleClipper:
             if isinstance(idx, torch.Tensor) and idx.dim() >= 1 and idx.shape[0] == 1:
                 return (idx.expand(self._batch, *idx.shape[1:]), *args[1:]), kwargs
         return None
+
+    def _alias_relu_input(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """If the input is ``relu(y)`` for the output ``y`` of a linear layer hooked here, give this
+        layer an alias of it, to tell its gradient contribution from others' (see :class:`_ReluLink`)."""
+        x = args[0]
+        node = getattr(x, "grad_fn", None)
+        if node is None or node.name() != "ReluBackward0":
+            return None
+        src = node.next_functions[0][0]
+        l1 = next((c for c in reversed(self._calls[-4:]) if c.out_node is src), None)
+        if l1 is None or l1.relu is not None:
+            return None
+        self._link_pending = (module, l1, x)
+        return (x.view_as(x), *args[1:]), kwargs
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if not self._active():
@@ -263,6 +313,14 @@ class PerSampleClipper:
                 flat[i], changed = t, True
             t.register_hook(self._grad_hook(call, i))
             call.pending += 1
+        if isinstance(module, nn.Linear):
+            call.out_node = flat[0].grad_fn
+            pending, self._link_pending = self._link_pending, None
+            if pending is not None and pending[0] is module:
+                link = _ReluLink(call)
+                pending[1].relu = link
+                args[0].register_hook(link.keep)  # the alias: this layer's contribution alone
+                pending[2].register_hook(link.compare)  # the ReLU output: every consumer's total
         if not self._calls:  # the first call of a forward pass sets its batch size
             first = next((t for t in _flatten(args)[0] if isinstance(t, torch.Tensor)), None)
             self._batch = int(first.shape[0]) if first is not None and first.dim() else None
@@ -310,11 +368,14 @@ class PerSampleClipper:
                     for q in self._owned[c.module].values():
                         self._uses[q] = self._uses.get(q, 0) + 1
         try:
+            link = call.relu
             pairs = self._build(call)
+            if link is not None and link.sole:
+                pairs = self._relu_fed(call.module, pairs, link.l2)
             call.pairs = []
             for p, part in pairs:
-                if self._uses.get(p, 0) != 1:
-                    call.pairs.append((p, part, None))
+                if self._uses.get(p, 0) != 1 or isinstance(part, ReluFedPart):
+                    call.pairs.append((p, part, None))  # norms at the end of the pass
                     continue
                 sq = part.sq_norms()
                 if self.clipping == "per_layer":  # its own bound: summed now, nothing kept
@@ -326,6 +387,33 @@ class PerSampleClipper:
             # the failed pass's end-of-pass callback never runs: the next pass must queue its own
             self.poisoned, self._queued = True, False
             raise
+
+    @staticmethod
+    def _relu_fed(
+        module: nn.Module, pairs: list[tuple[nn.Parameter, Part]], l2: _Call
+    ) -> list[tuple[nn.Parameter, Part]]:
+        """Swap the weight part of a linear layer whose output feeds only ``relu`` then ``l2`` for a
+        :class:`ReluFedPart`, where its output gradient is larger than its weight (activations
+        dominate memory: long sequences, large batches) and ``l2``'s part keeps its input and
+        output gradient anyway. The output gradient is then freed as soon as autograd is done."""
+        w2 = getattr(l2.module, "weight", None)
+        nxt = next(
+            (q for p, q, _ in l2.pairs or () if p is w2 and type(q) is LinearPart and q._ps is None),
+            None,
+        )
+        if nxt is None or w2 is None:
+            return pairs
+        out = []
+        for p, part in pairs:
+            if (
+                p is getattr(module, "weight", None)
+                and type(part) is LinearPart
+                and part._ps is None
+                and part.g.numel() > p.numel()
+            ):
+                part = ReluFedPart(part.a, nxt.a, nxt.g, w2.detach(), part.shape)
+            out.append((p, part))
+        return out
 
     # ------------------------------------------------------------------------------ processing
     def _after_backward(self) -> None:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DensePart", "EmbeddingPart", "LinearPart", "StackedPart", "combine"]
+from gaussdp.errors import UnsafeInput
+
+__all__ = ["DensePart", "EmbeddingPart", "LinearPart", "ReluFedPart", "StackedPart", "combine"]
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
@@ -143,6 +145,46 @@ class LinearPart:
 
     def materialise(self) -> torch.Tensor:
         return self._per_sample().reshape(self.batch_size, *self.shape)
+
+
+class ReluFedPart(LinearPart):
+    """A :class:`LinearPart` whose output goes through ReLU into one other linear layer (weight ``w2``).
+
+    Its output gradient is not kept through the backward pass: it is recomputed when first needed as
+    ``g = (g2 w2) * [a2 > 0]`` (autograd's own ReLU backward) from what the next layer's part keeps
+    anyway, its input ``a2`` (the ReLU output) and output gradient ``g2``: one GEMM instead of a
+    ``(B, T, hidden)`` tensor held until the end of the pass (recomputation, Chen et al. 2016).
+    Norms and the sum are both taken from the recomputed gradient.
+    """
+
+    def __init__(
+        self, a: torch.Tensor, a2: torch.Tensor, g2: torch.Tensor, w2: torch.Tensor, shape: torch.Size
+    ) -> None:
+        self.a = a.reshape(a.shape[0], -1, a.shape[-1])
+        self.shape, self.transposed = shape, False
+        self._ps: torch.Tensor | None = None
+        self._src: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = (a2, g2, w2, w2._version)
+        self._g: torch.Tensor | None = None
+
+    @property
+    def g(self) -> torch.Tensor:  # type: ignore[override]
+        if self._g is None:
+            assert self._src is not None
+            a2, g2, w2, version = self._src
+            if w2._version != version:
+                raise UnsafeInput(
+                    "a weight was modified in place between the forward pass and the end of backward; "
+                    "per-sample gradients cannot be computed (nothing was accumulated)"
+                )
+            flat_a2 = a2.reshape(-1, a2.shape[-1])
+            grad = g2.reshape(-1, g2.shape[-1]) @ w2.to(g2.dtype)
+            torch.ops.aten.threshold_backward.grad_input(grad, flat_a2, 0, grad_input=grad)
+            self._g = grad.view(self.a.shape[0], -1, grad.shape[-1])
+            self._src = None  # the next layer's tensors are no longer held here
+        return self._g
+
+    def stored(self) -> int:
+        return self.a.numel() + (self._g.numel() if self._g is not None else 0)
 
 
 class EmbeddingPart:
