@@ -98,13 +98,13 @@ def test_loading_the_kernel_leaves_subnormals_alone():
 
 
 def test_fill_is_aes_ctr_keystream_through_the_kernel(monkeypatch):
-    """With the key and counter fixed, fill_ is exactly AES-128-CTR's keystream mapped by the kernel,
-    and consecutive fills continue the stream."""
-    key, iv = bytes(range(16)), bytes(range(16, 32))
-    it = iter([key, iv])
+    """With the key and nonce fixed, fill_ is exactly AES-128-CTR's keystream (from counter block
+    nonce || 2, as GCM produces it) mapped by the kernel, and consecutive fills continue the stream."""
+    key, nonce = bytes(range(16)), bytes(range(16, 28))
+    it = iter([key, nonce])
     monkeypatch.setattr(_random.secrets, "token_bytes", lambda n: next(it))
     source = KeystreamNormal()
-    enc = Cipher(algorithms.AES(key), modes.CTR(iv)).encryptor()
+    enc = Cipher(algorithms.AES(key), modes.CTR(nonce + (2).to_bytes(4, "big"))).encryptor()
     for dtype, width in [(torch.float32, 4), (torch.float64, 8), (torch.float32, 4)]:
         got = source.fill_(torch.empty(1000, dtype=dtype))
         expected = np.frombuffer(enc.update(bytes(1000 * width)), dtype=np.uint8).copy()
@@ -125,6 +125,29 @@ def test_fill_is_aes_ctr_keystream_through_the_kernel(monkeypatch):
         words = np.frombuffer(enc.update(bytes(4 * m)), dtype=np.uint32)
         _gauss.normal_add(want[lo : lo + min(m, n - lo)], words, 4, 0.25)
     assert torch.equal(got, torch.from_numpy(want))  # same kernel, same words: bit for bit
+
+
+def test_fresh_key_before_one_nonce_runs_out(monkeypatch):
+    """A key and nonce serve at most _REKEY_BYTES of keystream (64 GiB would repeat the counter):
+    the draw that would pass it first takes a fresh key and nonce from the OS CSPRNG."""
+    draws = []
+
+    def token_bytes(n):
+        draws.append(n)
+        return bytes([len(draws)]) * n
+
+    monkeypatch.setattr(_random.secrets, "token_bytes", token_bytes)
+    monkeypatch.setattr(_random, "_REKEY_BYTES", 3000)
+    source = KeystreamNormal()
+    first = source.fill_(torch.empty(500)).clone()  # 2000 bytes: one key
+    assert draws == [16, 12]
+    second = source.fill_(torch.empty(500))  # 2000 more would pass 3000: re-keyed first
+    assert draws == [16, 12, 16, 12]
+    enc = Cipher(algorithms.AES(bytes([3]) * 16), modes.CTR(bytes([4]) * 12 + (2).to_bytes(4, "big")))
+    words = np.frombuffer(enc.encryptor().update(bytes(2000)), dtype=np.uint8).copy()
+    _gauss.normal_inplace(words, 4, 1.0)
+    assert torch.equal(second, torch.from_numpy(words.view(np.float32)))
+    assert not torch.equal(first, second)
 
 
 def test_fill_refuses_what_it_cannot_fill():

@@ -409,7 +409,7 @@ def mha_capture(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> MH
     h = m.num_heads
     want = (b, h, t, e // h)
     node, seen_out_proj = getattr(out, "grad_fn", None), False
-    for _ in range(6):  # transpose, view, addmm (out_proj), view, permute, then the attention
+    for _ in range(7):  # transpose, view, addmm (out_proj), view, [clone on CUDA,] permute, attention
         if node is None:
             return None
         mat2 = getattr(node, "_saved_mat2", None)
