@@ -17,6 +17,12 @@ small cost", ICML):
    clipped sum is added (:attr:`PerSampleClipper.prefill`, set by the optimizer), so the GEMM that
    forms the sum adds into the noise; the optimizer charges the accountant before anything leaves.
 
+Memory: what is kept through the pass is each layer's input and output gradient (or its per-sample
+gradients, where smaller). Two things keep less: self-attention keeps the gradient autograd forms for
+its packed q/k/v projection (no copy), and a linear layer whose output goes only through ReLU into
+another linear layer keeps no output gradient when that is larger than its weight: it is recomputed
+at the end from the next layer's part (:class:`gaussdp.torch._parts.ReluFedPart`, one GEMM).
+
 A trainable parameter that receives an ordinary gradient (used outside the module owning it) cannot
 be clipped per sample: that fails closed with an error naming it.
 """
@@ -569,3 +575,4 @@ class PerSampleClipper:
         self._uses = None
         self.poisoned = False
         self._queued = False
+        self._link_pending = None
