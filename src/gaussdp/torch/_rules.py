@@ -366,16 +366,18 @@ def _packed_projection(attention: Any, packed_shape: tuple[int, int, int]) -> An
                 return None
             if tuple(getattr(node, "_saved_self_sym_sizes", ())) == packed_shape:
                 break
-            nexts = [f for f, _ in node.next_functions if f is not None]
-            if len(nexts) != 1:
-                return None
-            node = nexts[0]
+            node = _only_next(node)
         else:
             return None
         found.append(node)
     if not (found[0] is found[1] is found[2]):
         return None
-    nexts = [f for f, _ in found[0].next_functions if f is not None]
+    return _only_next(found[0])
+
+
+def _only_next(node: Any) -> Any:
+    """The one node that ``node`` passes gradients to, or None where there are several or none."""
+    nexts = [f for f, _ in node.next_functions if f is not None]
     return nexts[0] if len(nexts) == 1 else None
 
 
@@ -419,10 +421,7 @@ def mha_capture(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> MH
             break
         if mat2 is not None and not seen_out_proj:
             return None  # another matmul before the output projection: not the layout expected
-        nexts = [f for f, _ in node.next_functions if f is not None]
-        if len(nexts) != 1:
-            return None
-        node = nexts[0]
+        node = _only_next(node)
     else:
         return None
     if not seen_out_proj or getattr(node, "_saved_scale", None) is not None:
