@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from gaussdp.errors import InvalidParameter, PrivacyError  # noqa: E402
+from gaussdp.errors import InvalidParameter, PrivacyError, UnsafeInput  # noqa: E402
 from gaussdp.torch import PerSampleClipper  # noqa: E402
 from gaussdp.torch._parts import LinearPart  # noqa: E402
 
@@ -184,6 +184,24 @@ def test_transformer_encoder_recomputes_feed_forward_gradient(monkeypatch):
     model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
     check(model, [torch.randn(6, 5, 8).requires_grad_()], rtol=1e-8, atol=1e-9)
     assert seen == [True, True]
+
+
+def test_relu_fed_refuses_a_weight_changed_during_backward():
+    """The second layer's weight changed in place after its backward (a user hook) and before the
+    recomputation: the step fails closed instead of using the new weight."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12))
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    h = model[0](torch.randn(5, 4, 8))
+
+    def bump(grad):
+        with torch.no_grad():
+            model[2].weight.add_(1.0)
+
+    h.register_hook(bump)
+    with pytest.raises(UnsafeInput, match="a weight was modified in place"):
+        model[2](model[1](h)).square().sum().backward()
+    assert clipper.poisoned and not clipper.summed
 
 
 class TokenModel(nn.Module):
