@@ -402,9 +402,9 @@ class PerSampleClipper:
         module: nn.Module, pairs: list[tuple[nn.Parameter, Part]], l2: _Call
     ) -> list[tuple[nn.Parameter, Part]]:
         """Swap the weight part of a linear layer whose output feeds only ``relu`` then ``l2`` for a
-        :class:`ReluFedPart`, where its output gradient is larger than its weight (activations
-        dominate memory: long sequences, large batches) and ``l2``'s part keeps its input and
-        output gradient anyway. The output gradient is then freed as soon as autograd is done."""
+        :class:`ReluFedPart` where ``l2``'s part keeps its input and output gradient anyway (the
+        link exists only where that gradient is larger than the weight, see
+        :meth:`_alias_relu_input`). The output gradient is then freed as soon as autograd is done."""
         w2 = getattr(l2.module, "weight", None)
         nxt = next(
             (q for p, q, _ in l2.pairs or () if p is w2 and type(q) is LinearPart and q._ps is None),
@@ -414,12 +414,7 @@ class PerSampleClipper:
             return pairs
         out = []
         for p, part in pairs:
-            if (
-                p is getattr(module, "weight", None)
-                and type(part) is LinearPart
-                and part._ps is None
-                and part.g.numel() > p.numel()
-            ):
+            if p is getattr(module, "weight", None) and type(part) is LinearPart and part._ps is None:
                 part = ReluFedPart(part.a, nxt.a, nxt.g, w2.detach(), part.shape)
             out.append((p, part))
         return out
