@@ -176,14 +176,29 @@ def test_linear_relu_linear_not_recomputed_when_output_gradient_is_small(monkeyp
     assert seen == []
 
 
-def test_transformer_encoder_recomputes_feed_forward_gradient(monkeypatch):
-    """nn.TransformerEncoder (ReLU feed-forward, dropout 0): recomputed in every layer, exact."""
+@pytest.mark.parametrize(("layers", "want"), [(1, [True]), (2, [True]), (3, [True, True])])
+def test_transformer_encoder_recomputes_feed_forward_gradient(monkeypatch, layers, want):
+    """nn.TransformerEncoder (ReLU feed-forward, dropout 0): the feed-forward gradient is recomputed
+    in every layer except the first when there are several (its gradient arrives last and is kept,
+    see PerSampleClipper._kept_anyway); one layer alone is recomputed. Exact either way."""
+    import gaussdp.torch._clipper as clipper_module
+
     seen = _relu_fed_spy(monkeypatch)
+    kept = []
+    real = clipper_module.PerSampleClipper._kept_anyway
+
+    def spy(self, call):
+        kept.append(real(self, call))
+        return kept[-1]
+
+    monkeypatch.setattr(clipper_module.PerSampleClipper, "_kept_anyway", spy)
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
-    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    model = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
     check(model, [torch.randn(6, 5, 8).requires_grad_()], rtol=1e-8, atol=1e-9)
-    assert seen == [True, True]
+    assert seen == want
+    # asked once per layer, last layer first (backward order): only the first layer's is kept
+    assert kept == [False] * (layers - 1) + [layers > 1]
 
 
 def test_relu_fed_refuses_a_weight_changed_during_backward():
@@ -435,6 +450,33 @@ def test_multihead_attention_from_its_graph_matches_brute_force(monkeypatch, pac
     mask[:2, -1] = True
     check(SelfAttentionBlock(), [torch.randn(5, 4, 8), mask])
     assert kinds and set(kinds) == {"packed" if packed else "q/k/v"}, kinds
+
+
+def test_batch_first_self_attention_gets_one_gemm_input_projection():
+    """Batch-first self-attention is given its input stored position-major (same values): the packed
+    input projection is then one GEMM, not T batched ones, and the output is bit for bit the same."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(5, 4, 8, requires_grad=True)
+    want, _ = attn(x, x, x, need_weights=False)
+    clipper = PerSampleClipper(attn, max_grad_norm=1.0)
+    with Ops() as ops:
+        got, _ = attn(x, x, x, need_weights=False)
+    assert "aten.bmm" not in ops.names and "aten.addmm" in ops.names, ops.names
+    assert torch.equal(got, want)
+    got.square().sum().backward()
+    assert x.grad is not None and set(clipper.summed) == set(attn.parameters())
 
 
 def test_transformer_encoder_layer_captured_and_recomputed_agree(monkeypatch):
