@@ -154,7 +154,8 @@ class ReluFedPart(LinearPart):
     ``g = (g2 w2) * [a2 > 0]`` (autograd's own ReLU backward) from what the next layer's part keeps
     anyway, its input ``a2`` (the ReLU output) and output gradient ``g2``: one GEMM instead of a
     ``(B, T, hidden)`` tensor held until the end of the pass (recomputation, Chen et al. 2016).
-    Norms and the sum are both taken from the recomputed gradient.
+    Norms and the sum are both taken from the recomputed gradient. (The clipper keeps the last such
+    gradient of a pass instead, see ``PerSampleClipper._kept_anyway``.)
     """
 
     def __init__(
