@@ -6,9 +6,11 @@ feed-forward 1024, seq 64, batch 32) on token ids with an embedding and a classi
 
 Step = forward + backward + optimizer step (+ zero_grad), on the same fixed batch for every method.
 Time: median over interleaved repetitions of a block of consecutive steps per method (the methods
-take turns, so a busy machine slows them all alike), both wall-clock and CPU time (the training
-thread's ``thread_time``); with one torch thread (the default here) CPU time is what the step
-costs, unaffected by other processes taking the cores. Memory: peak bytes of live
+take turns, so a busy machine slows them all alike), each block after one untimed step of the same
+method (so no method is timed in the cache and heap state another one left: Opacus's hooks mode
+frees about 1 GiB per step, which made the next method pay page faults), both wall-clock and CPU
+time (the training thread's ``thread_time``); with one torch thread (the default here) CPU time is
+what the step costs, unaffected by other processes taking the cores. Memory: peak bytes of live
 tensor storages (parameters, gradients, optimizer state, activations, temporaries) during one step,
 counted by a ``TorchDispatchMode`` that sees every op's outputs (``PeakMemory`` below; torch's own
 ``MemTracker`` cannot be used: it registers gradient hooks on parameters).
@@ -238,6 +240,7 @@ def main() -> None:
         cpu: dict[str, list[float]] = {m: [] for m in methods}
         for _ in range(args.reps):
             for m, s in steps.items():
+                s()  # untimed: this method's own cache and heap state, not the previous method's
                 t0, c0 = time.perf_counter(), time.thread_time()
                 for _ in range(args.block):
                     s()
