@@ -14,6 +14,7 @@ __all__ = [
     "check_choice",
     "check_delta",
     "check_epsilon",
+    "check_nonnegative",
     "check_positive",
     "check_probability",
     "real_number",
@@ -35,6 +36,16 @@ def check_positive(name: str, value: Any) -> float:
     out = real_number(name, value)
     if out <= 0.0:
         raise InvalidParameter(f"{name} must be > 0, got {name}={value!r}")
+    return out
+
+
+def check_nonnegative(name: str, value: Any) -> float:
+    """A finite real number >= 0 (NaN and infinities refused with the same message)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {name}={value!r} ({type(value).__name__})")
+    out = float(value)
+    if not math.isfinite(out) or out < 0.0:
+        raise InvalidParameter(f"{name} must be finite and >= 0, got {name}={value!r}")
     return out
 
 

@@ -176,3 +176,15 @@ def test_calibrated_parameters_are_read_only():
         with pytest.raises(AttributeError):
             setattr(mech, name, value)
     assert mech.sensitivity == 1.0 and mech.epsilon(1e-5) == pytest.approx(1.0, rel=1e-9)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, -1e-300, -1.0])
+def test_check_nonnegative_refuses_what_a_noise_scale_cannot_be(bad):
+    """The one validator for noise multipliers and noise stds (engine, optimizer, noise kernel)."""
+    from gaussdp._validate import check_nonnegative
+
+    with pytest.raises(InvalidParameter, match="std must be finite and >= 0"):
+        check_nonnegative("std", bad)
+    with pytest.raises(TypeError, match="real number"):
+        check_nonnegative("std", True)
+    assert check_nonnegative("std", 0) == 0.0 and check_nonnegative("std", 2.5) == 2.5

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import secrets
 import warnings
@@ -10,7 +9,8 @@ from typing import Any
 
 import torch
 
-from gaussdp.errors import InvalidParameter, NotPrivateWarning
+from gaussdp._validate import check_nonnegative
+from gaussdp.errors import NotPrivateWarning
 
 __all__ = [
     "KeystreamNormal",
@@ -161,9 +161,7 @@ def _check_host_float(t: torch.Tensor) -> None:
 
 def _check_std(std: float) -> float:
     # the kernel is compiled with -ffast-math, which may assume finite values: refuse NaN/Inf here
-    if not math.isfinite(float(std)) or std < 0:
-        raise InvalidParameter(f"the noise standard deviation must be finite and >= 0, got std={std!r}")
-    return float(std)
+    return check_nonnegative("std", std)
 
 
 def add_standard_normal_(source: Any, dst: torch.Tensor, std: float) -> torch.Tensor:

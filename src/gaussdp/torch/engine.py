@@ -24,7 +24,13 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from gaussdp._validate import check_choice, check_delta, check_epsilon, check_positive, real_number
+from gaussdp._validate import (
+    check_choice,
+    check_delta,
+    check_epsilon,
+    check_nonnegative,
+    check_positive,
+)
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, PrivacyWarning
 from gaussdp.torch._clipper import PerSampleClipper
 from gaussdp.torch._random import KeystreamNormal, keystream_normal_available, torch_generator
@@ -131,9 +137,7 @@ class PrivacyEngine:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not batch_first:
             raise InvalidParameter("batch_first=False is not supported: put the batch in dimension 0")
-        sigma = real_number("noise_multiplier", noise_multiplier)
-        if sigma < 0:
-            raise InvalidParameter(f"noise_multiplier must be >= 0, got noise_multiplier={sigma}")
+        sigma = check_nonnegative("noise_multiplier", noise_multiplier)
         if clipping == "flat" or not isinstance(max_grad_norm, Sequence):
             check_positive("max_grad_norm", max_grad_norm)  # lists are checked by the clipper
         if self.clipper is not None:

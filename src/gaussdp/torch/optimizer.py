@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from gaussdp._validate import check_positive
+from gaussdp._validate import check_nonnegative, check_positive
 from gaussdp.errors import InvalidParameter, UnsafeInput
 from gaussdp.torch._clipper import PerSampleClipper
 from gaussdp.torch._random import add_standard_normal_, noise_buffer
@@ -205,12 +205,7 @@ class DPOptimizer(Optimizer):
                 loss = closure()
         self.clipper.check_no_plain_gradients()
         self._check_samples()
-        sigma = self.noise_multiplier
-        if not math.isfinite(sigma) or sigma < 0:
-            raise InvalidParameter(
-                f"noise_multiplier must be finite and >= 0, got noise_multiplier={sigma!r}; nothing was "
-                "charged or released"
-            )
+        sigma = check_nonnegative("noise_multiplier", self.noise_multiplier)  # nothing charged yet
         self._on_step(sigma)  # charge before release, at the multiplier the noise uses
         noisy = self._noisy_sums()
         _all_reduce(noisy)
