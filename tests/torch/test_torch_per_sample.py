@@ -81,7 +81,10 @@ def test_mlp_sum_reduction():
     check(nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), [torch.randn(6, 5)], reduction="sum")
 
 
-@pytest.mark.parametrize(("d_in", "d_out", "t", "materialised"), [(4, 3, 8, True), (16, 16, 3, False)])
+@pytest.mark.parametrize(
+    ("d_in", "d_out", "t", "materialised"),
+    [(4, 3, 8, True), (16, 16, 3, False), (64, 48, 16, False), (64, 48, 17, False)],
+)
 def test_linear_sequence_both_branches(d_in, d_out, t, materialised):
     torch.manual_seed(0)
     x = torch.randn(5, t, d_in)
@@ -415,11 +418,11 @@ def test_hooks_removed_leave_module_unchanged():
 class SelfAttentionBlock(nn.Module):
     """Self-attention whose input needs a gradient (as after an embedding): the captured path."""
 
-    def __init__(self):
+    def __init__(self, e=8):
         super().__init__()
-        self.inp = nn.Linear(8, 8)
-        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
-        self.head = nn.Linear(8, 3)
+        self.inp = nn.Linear(e, e)
+        self.attn = nn.MultiheadAttention(e, 2, batch_first=True)
+        self.head = nn.Linear(e, 3)
 
     def forward(self, x, mask):
         h = self.inp(x)
@@ -427,34 +430,49 @@ class SelfAttentionBlock(nn.Module):
         return self.head(out).mean(1)
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_multihead_attention_from_its_graph_matches_brute_force(monkeypatch, packed):
-    """The attention's own saved output and the gradient of its packed q/k/v projection (or, where
-    that node is not found, the q/k/v gradients) replace the recomputation; the norms and clipped
-    sums still match the per-example loop, and the captured path is the one taken."""
+@pytest.mark.parametrize(("t", "e"), [(4, 8), (17, 64)])
+@pytest.mark.parametrize("layout", ["split", "packed", "heads"])
+def test_multihead_attention_from_its_graph_matches_brute_force(monkeypatch, layout, t, e):
+    """The attention's own saved output and the gradients of its input projections replace the
+    recomputation: three projections of one weight's chunks (the input passed as three aliases, the
+    default), the packed q/k/v projection (where the input is not split), or, where neither node
+    is found, the q/k/v gradients in head layout. The norms and clipped sums still match the
+    per-example loop, and the captured path is the one taken. At 17 positions and width 64 the
+    norms are ghost norms from split Grams, and the split q/k/v share one Gram of their input."""
     import gaussdp.torch._clipper as clipper_module
+    import gaussdp.torch._parts as parts_module
     import gaussdp.torch._rules as rules_module
 
-    kinds = []
-    real = clipper_module.mha_captured_parts
+    layouts, blocks = [], []
+    real, real_norms = clipper_module.mha_captured_parts, parts_module._ghost_sq_norms
 
     def spy(*args):
-        kinds.append("packed" if isinstance(args[-1].grads, torch.Tensor) else "q/k/v")
+        layouts.append(args[-1].layout)
         return real(*args)
 
+    def spy_norms(a, gs):
+        blocks.append(len(gs))
+        return real_norms(a, gs)
+
     monkeypatch.setattr(clipper_module, "mha_captured_parts", spy)
-    if not packed:
+    monkeypatch.setattr(parts_module, "_ghost_sq_norms", spy_norms)
+    if layout != "split":
+        monkeypatch.setattr(clipper_module, "_split_self_attention", lambda *a: None)
+    if layout == "heads":
         monkeypatch.setattr(rules_module, "_packed_projection", lambda *a: None)
     torch.manual_seed(0)
-    mask = torch.zeros(5, 4, dtype=torch.bool)
+    mask = torch.zeros(5, t, dtype=torch.bool)
     mask[:2, -1] = True
-    check(SelfAttentionBlock(), [torch.randn(5, 4, 8), mask])
-    assert kinds and set(kinds) == {"packed" if packed else "q/k/v"}, kinds
+    check(SelfAttentionBlock(e), [torch.randn(5, t, e), mask])
+    assert layouts and set(layouts) == {layout}, layouts
+    assert (3 in blocks) == (layout == "split" and t > 4), blocks
 
 
-def test_batch_first_self_attention_gets_one_gemm_input_projection():
-    """Batch-first self-attention is given its input stored position-major (same values): the packed
-    input projection is then one GEMM, not T batched ones, and the output is bit for bit the same."""
+def test_batch_first_self_attention_gets_three_gemm_input_projections():
+    """Batch-first self-attention is given its input as three aliases stored position-major (same
+    values): the input projections are then three GEMMs (q, k, v; not T batched ones), backward
+    pads no q/k/v gradient to the packed shape (no ``select_backward``), and the output is the same
+    up to float rounding (the GEMMs of the weight's chunks may block their sums differently)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -473,9 +491,11 @@ def test_batch_first_self_attention_gets_one_gemm_input_projection():
     clipper = PerSampleClipper(attn, max_grad_norm=1.0)
     with Ops() as ops:
         got, _ = attn(x, x, x, need_weights=False)
-    assert "aten.bmm" not in ops.names and "aten.addmm" in ops.names, ops.names
-    assert torch.equal(got, want)
-    got.square().sum().backward()
+        got.square().sum().backward()
+    forward = ops.names[: next(i for i, n in enumerate(ops.names) if "scaled_dot_product" in n)]
+    assert forward.count("aten.addmm") == 3 and "aten.bmm" not in forward, forward
+    assert "aten.select_backward" not in ops.names, ops.names
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert x.grad is not None and set(clipper.summed) == set(attn.parameters())
 
 

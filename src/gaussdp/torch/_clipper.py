@@ -162,23 +162,28 @@ def _detach(tree: Any) -> Any:
     return _unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec)
 
 
-def _position_major_self_attention(module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> Any:
-    """Batch-first self-attention gets its input stored position-major: the same values, as a
-    ``(B, T, E)`` view of ``(T, B, E)`` storage (one copy).
+def _split_self_attention(module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> Any:
+    """Batch-first self-attention gets its input as three aliases, stored position-major: the same
+    values, as a ``(B, T, E)`` view of ``(T, B, E)`` storage (one copy, unless already so).
 
-    The attention works in ``(T, B, E)`` and transposes its input to get there. With the weights
-    switched out of autograd (see the module docstring), ``matmul`` does not fold that transposed
-    view into one GEMM but runs ``T`` small ones (``bmm``), about 15% slower for the packed input
-    projection, forward and backward; a contiguous ``(T, B, E)`` input folds. The kept input is
-    then the copy, read in place by the parts (they accept either layout).
+    Given one tensor as query, key and value, ``nn.MultiheadAttention`` runs one packed projection
+    to ``(T, B, 3E)`` and selects q, k and v from it; backward then pads each of their gradients
+    with zeros to the packed shape and adds the three: passes over three times the packed gradient
+    to form it. Given three aliases, it runs the projections of the weight's three row chunks (the
+    same values up to float rounding), and each gradient stays ``(T, B, E)``, kept as it arrives
+    (about 4% off the step of the encoder benchmark, ``benchmarks/bench_dpsgd.py`` (b)).
+    Position-major: the attention works in ``(T, B, E)`` and transposes its input to get there;
+    with the weights switched out of autograd (see the module docstring), ``matmul`` does not fold
+    a transposed view into one GEMM but runs ``T`` small ones (``bmm``), about 15% slower.
     """
-    if not (module.batch_first and len(args) >= 3 and isinstance(args[0], torch.Tensor)):
+    if not (module.batch_first and module._qkv_same_embed_dim and len(args) >= 3):
         return None
     x = args[0]
-    if x is not args[1] or x is not args[2] or x.dim() != 3 or x.transpose(0, 1).is_contiguous():
+    if not isinstance(x, torch.Tensor) or x is not args[1] or x is not args[2] or x.dim() != 3:
         return None
-    x = x.transpose(0, 1).contiguous().transpose(0, 1)
-    return (x, x, x, *args[3:]), kwargs
+    if not x.transpose(0, 1).is_contiguous():
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+    return (x, x.view_as(x), x.view_as(x), *args[3:]), kwargs
 
 
 class PerSampleClipper:
@@ -298,7 +303,7 @@ class PerSampleClipper:
         if isinstance(module, nn.Linear) and self.clipping == "flat" and args:
             return self._alias_relu_input(module, args, kwargs)
         if isinstance(module, nn.MultiheadAttention):
-            return _position_major_self_attention(module, args, kwargs)
+            return _split_self_attention(module, args, kwargs)
         # Position ids of shape (1, T) broadcast against a batch of B (Hugging Face GPT-2): the
         # output gradient would arrive summed over the batch, so per-sample gradients would be lost.
         # The lookup is made per sample instead (an expand, no copy), as if the ids were expanded.

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gaussdp.errors import UnsafeInput
-from gaussdp.torch._parts import DensePart, EmbeddingPart, LinearPart, Part, StackedPart
+from gaussdp.torch._parts import DensePart, EmbeddingPart, LinearPart, Part, StackedPart, same_elements
 
 __all__ = ["MHACapture", "Rule", "mha_capture", "mha_captured_parts", "owned_parameters", "rule_for"]
 
@@ -302,25 +302,35 @@ class MHACapture:
     For self-attention through ``scaled_dot_product_attention`` (``need_weights=False``, as in
     ``nn.TransformerEncoderLayer``), the attention node already holds its output (the input of the
     output projection, in head layout) and its backward receives the gradients of q, k and v, which
-    are the gradients of the packed input projection's output: between that projection and the
-    attention there are only views, transposes, selects and a contiguous copy. Where the node that
-    made the packed projection is found, a hook on it keeps the packed gradient that autograd forms
-    anyway (``(T, B, 3E)``, no copy of ours); otherwise a hook on the attention node keeps q, k, v.
-    Either way the per-sample parts need no second forward or backward of the attention. Any other
-    shape of graph leaves ``None`` and the recomputing rule is used.
+    are the gradients of the input projection's outputs: between the projection and the attention
+    there are only views, transposes, selects and a contiguous copy. Where the nodes that made the
+    projections are found, hooks on them keep the gradients that autograd forms anyway (no copy of
+    ours): ``"split"``, the three projections of one weight's chunks (the clipper's pre-hook passes
+    the input as three aliases, see ``_split_self_attention``), each gradient ``(T, B, E)``;
+    ``"packed"``, the one packed projection, its gradient ``(T, B, 3E)``. Otherwise (``"heads"``) a
+    hook on the attention node keeps q, k, v in head layout. Either way the per-sample parts need
+    no second forward or backward of the attention. Any other shape of graph leaves ``None`` and
+    the recomputing rule is used.
     """
 
-    __slots__ = ("grads", "handle", "on_ready", "output")
+    __slots__ = ("_pending", "grads", "handles", "layout", "on_ready", "output")
 
-    def __init__(self, output: torch.Tensor, node: Any, packed: Any = None) -> None:
+    def __init__(self, output: torch.Tensor, node: Any, found: tuple[str, list[Any]] | None = None) -> None:
         self.output = output.detach()
-        # the packed gradient as (B, T, 3E) (a transposed view), or (q, k, v) in head layout
-        self.grads: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # "split": (q, k, v) each (B, T, E) (transposed views); "packed": (B, T, 3E) (a transposed
+        # view); "heads": (q, k, v) in head layout (B, heads, T, head_dim)
+        self.grads: torch.Tensor | tuple[torch.Tensor, ...] | None = None
         self.on_ready: Any = None  # called once the gradients are kept
-        if packed is None:
-            self.handle = node.register_hook(self._keep)
+        self.layout, nodes = found if found is not None else ("heads", [])
+        self._pending: list[torch.Tensor | None] = [None] * len(nodes)
+        if self.layout == "heads":
+            self.handles = [node.register_hook(self._keep)]
         else:
-            self.handle = packed.register_prehook(self._keep_packed)
+            self.handles = [n.register_prehook(self._keeper(i)) for i, n in enumerate(nodes)]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
 
     def _ready(self) -> None:
         if self.on_ready is not None:
@@ -332,14 +342,24 @@ class MHACapture:
             self.grads = (gq.detach(), gk.detach(), gv.detach())
             self._ready()
 
-    def _keep_packed(self, grad_outputs: tuple) -> None:
-        g = grad_outputs[0]
-        if g is not None:
-            self.grads = g.detach().transpose(0, 1)
-            self._ready()
+    def _keeper(self, i: int) -> Callable[[tuple], None]:
+        def keep(grad_outputs: tuple) -> None:
+            g = grad_outputs[0]
+            if g is None:
+                return
+            self._pending[i] = g.detach()
+            if all(p is not None for p in self._pending):
+                t, b = self.output.shape[2], self.output.shape[0]
+                # (T B, E') or (T, B, E') rows in position-major order, as (B, T, E') views
+                gs = [p.reshape(t, b, p.shape[-1]).transpose(0, 1) for p in self._pending if p is not None]
+                self.grads = gs[0] if self.layout == "packed" else tuple(gs)
+                self._pending = []
+                self._ready()
+
+        return keep
 
 
-# what lies between the packed projection and the attention: views and one contiguous copy
+# what lies between the projections and the attention: views, selects and one contiguous copy
 _VIEW_NODES = frozenset(
     {
         "ViewBackward0",
@@ -375,6 +395,36 @@ def _packed_projection(attention: Any, packed_shape: tuple[int, int, int]) -> An
     return _only_next(found[0])
 
 
+def _split_projections(attention: Any, weight: torch.Tensor) -> list[Any] | None:
+    """The three matmul nodes (``addmm``, or ``mm`` without bias) whose outputs feed q, k and v of
+    ``attention`` through views only, each multiplying by its chunk of the packed ``weight``: rows
+    ``[i E, (i + 1) E)`` for input ``i`` (the weight's storage, checked by address), or None."""
+    e = weight.shape[1]
+    step = e * e * weight.element_size()
+    found = []
+    for i in range(3):
+        node = attention.next_functions[i][0]
+        for _ in range(8):
+            if node is None:
+                return None
+            if node.name() in ("AddmmBackward0", "MmBackward0"):
+                break
+            if node.name() not in _VIEW_NODES:
+                return None
+            node = _only_next(node)
+        else:
+            return None
+        mat2 = getattr(node, "_saved_mat2", None)
+        if not (
+            isinstance(mat2, torch.Tensor)
+            and tuple(mat2.shape) == (e, e)
+            and mat2.data_ptr() == weight.data_ptr() + i * step
+        ):
+            return None
+        found.append(node)
+    return found
+
+
 def _only_next(node: Any) -> Any:
     """The one node that ``node`` passes gradients to, or None where there are several or none."""
     nexts = [f for f, _ in node.next_functions if f is not None]
@@ -399,10 +449,9 @@ def mha_capture(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> MH
         return None
     bound = dict(zip(_MHA_NAMES, args, strict=False))
     bound.update(kwargs)
-    q = bound.get("query")
-    if not (
-        isinstance(q, torch.Tensor) and q.dim() == 3 and bound.get("key") is q and bound.get("value") is q
-    ):
+    q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
+    tensors = all(isinstance(x, torch.Tensor) for x in (q, k, v))
+    if not (tensors and q.dim() == 3 and same_elements(q, k) and same_elements(q, v)):  # self-attention
         return None
     if bound.get("need_weights", True) or not isinstance(output, tuple) or output[1] is not None:
         return None
@@ -431,13 +480,17 @@ def mha_capture(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> MH
     saved = [getattr(node, f"_saved_{n}", None) for n in ("output", "query", "key", "value")]
     if not all(isinstance(x, torch.Tensor) and tuple(x.shape) == want for x in saved):
         return None
-    return MHACapture(saved[0], node, _packed_projection(node, (t, b, 3 * e)))
+    split = _split_projections(node, m.in_proj_weight)
+    if split is not None:
+        return MHACapture(saved[0], node, ("split", split))
+    packed = _packed_projection(node, (t, b, 3 * e))
+    return MHACapture(saved[0], node, ("packed", [packed]) if packed is not None else None)
 
 
 def mha_captured_parts(module, args, kwargs, grads, owned, cap):  # type: ignore[no-untyped-def]
     """Parts of a self-attention call from its :class:`MHACapture` (no recomputation)."""
     m: nn.MultiheadAttention = module
-    cap.handle.remove()
+    cap.remove()
     g_out = grads[0]
     if g_out is None or cap.grads is None:  # the caller recomputes when only g_out arrived
         return []
@@ -447,15 +500,22 @@ def mha_captured_parts(module, args, kwargs, grads, owned, cap):  # type: ignore
     def tokens(z: torch.Tensor) -> torch.Tensor:  # (B, heads, T, head_dim) -> (B, T, E)
         return z.permute(0, 2, 1, 3).reshape(b, t, e)
 
-    if isinstance(cap.grads, torch.Tensor):
-        g_qkv = cap.grads  # the packed projection's output gradient, (B, T, 3E)
-    else:
-        g_qkv = torch.cat([tokens(g) for g in cap.grads], dim=-1)  # rows of in_proj_weight: q, k, v
+    w = m.in_proj_weight
     out: list[tuple[nn.Parameter, Part]] = []
-    if "in_proj_weight" in owned:
-        out.append((owned["in_proj_weight"], LinearPart(x, g_qkv, m.in_proj_weight.shape)))
-    if "in_proj_bias" in owned:
-        out.append((owned["in_proj_bias"], DensePart(g_qkv.sum(1), m.in_proj_bias.shape)))
+    if cap.layout == "split":  # one input, three row blocks of the weight (q, k, v)
+        gs = cap.grads
+        if "in_proj_weight" in owned:
+            blocks = [LinearPart(x, g, torch.Size((e, e))) for g in gs]
+            out.append((owned["in_proj_weight"], StackedPart(blocks, w.shape)))
+        g_bias = torch.cat([g.sum(1) for g in gs], dim=-1) if "in_proj_bias" in owned else None
+    else:
+        # the packed projection's output gradient (B, T, 3E), or q, k, v in head layout concatenated
+        g_qkv = cap.grads if cap.layout == "packed" else torch.cat([tokens(g) for g in cap.grads], dim=-1)
+        if "in_proj_weight" in owned:
+            out.append((owned["in_proj_weight"], LinearPart(x, g_qkv, w.shape)))
+        g_bias = g_qkv.sum(1) if "in_proj_bias" in owned else None
+    if g_bias is not None:
+        out.append((owned["in_proj_bias"], DensePart(g_bias, m.in_proj_bias.shape)))
     o = tokens(cap.output).to(torch.promote_types(x.dtype, torch.float32))
     return out + _out_proj_parts(m, owned, o, g_out)
 
