@@ -18,12 +18,12 @@ small cost", ICML):
    forms the sum adds into the noise; the optimizer charges the accountant before anything leaves.
 
 Memory: what is kept through the pass is each layer's input and output gradient (or its per-sample
-gradients, where smaller). Two things keep less: self-attention keeps the gradient autograd forms for
-its packed q/k/v projection (no copy), and a linear layer whose output goes only through ReLU into
-another linear layer keeps no output gradient when that is larger than its weight: it is recomputed
-at the end from the next layer's part (:class:`gaussdp.torch._parts.ReluFedPart`, one GEMM), except
-for the last such gradient to arrive in a pass where others are recomputed
-(:meth:`PerSampleClipper._kept_anyway`).
+gradients, where smaller). Two things keep less: self-attention keeps the gradients autograd forms
+for its q/k/v projections (no copy; see ``_split_self_attention``), and a linear layer whose output
+goes only through ReLU into another linear layer keeps no output gradient when that is larger than
+its weight: it is recomputed at the end from the next layer's part
+(:class:`gaussdp.torch._parts.ReluFedPart`, one GEMM), except for the last such gradient to arrive
+in a pass where others are recomputed (:meth:`PerSampleClipper._kept_anyway`).
 
 A trainable parameter that receives an ordinary gradient (used outside the module owning it) cannot
 be clipped per sample: that fails closed with an error naming it.
