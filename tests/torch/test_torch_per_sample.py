@@ -468,13 +468,7 @@ def test_multihead_attention_from_its_graph_matches_brute_force(monkeypatch, lay
     assert (3 in blocks) == (layout == "split" and t > 4), blocks
 
 
-class AttentionTwice(nn.Module):
-    def __init__(self, e=32):
-        super().__init__()
-        self.inp = nn.Linear(e, e)
-        self.attn = nn.MultiheadAttention(e, 2, batch_first=True)
-        self.head = nn.Linear(e, 3)
-
+class AttentionTwice(SelfAttentionBlock):
     def forward(self, x):
         h = self.inp(x)
         h = self.attn(h, h, h, need_weights=False)[0]
@@ -485,7 +479,7 @@ class AttentionTwice(nn.Module):
 def test_multihead_attention_called_twice():
     """One attention module applied twice: its two calls' split q/k/v parts are combined per sample."""
     torch.manual_seed(0)
-    check(AttentionTwice(), [torch.randn(5, 17, 32)])
+    check(AttentionTwice(32), [torch.randn(5, 17, 32)])
 
 
 def test_batch_first_self_attention_gets_three_gemm_input_projections():
