@@ -13,7 +13,10 @@ time (the training thread's ``thread_time``); with one torch thread (the default
 what the step costs, unaffected by other processes taking the cores. Memory: peak bytes of live
 tensor storages (parameters, gradients, optimizer state, activations, temporaries) during one step,
 counted by a ``TorchDispatchMode`` that sees every op's outputs (``PeakMemory`` below; torch's own
-``MemTracker`` cannot be used: it registers gradient hooks on parameters).
+``MemTracker`` cannot be used: it registers gradient hooks on parameters). Checked from the
+allocator's side (``alloc MiB``: the CPU allocator's events in torch's profiler, which also sees
+buffers an op allocates and frees inside itself, and leaves autograd's in-place gradient
+accumulation on; see ``allocator_peak_bytes``).
 The Opacus rows use ``poisson_sampling=False`` like the others (same fixed batch), and contiguous
 position ids: ``.expand()``ed ones make Opacus's ghost mode fail (``view`` on a non-contiguous
 tensor in ``embedding_norm_sample``); gaussdp handles both (tested).
@@ -29,12 +32,15 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import time
 import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
+
+os.environ.setdefault("KINETO_LOG_LEVEL", "99")  # the profiler's start/stop lines (allocator_peak_bytes)
 
 import torch
 from torch import nn
@@ -218,6 +224,30 @@ def peak_bytes(method: str, case: str) -> int:
     return tracker.peak
 
 
+def allocator_peak_bytes(method: str, case: str) -> int:
+    """The same peak from the allocator's side: the live state at the start of the step plus the
+    highest running total of the CPU allocator's allocation and free events during it (torch's
+    profiler with ``profile_memory=True``). A check on :class:`PeakMemory`, which sees only op
+    outputs (not buffers an op allocates and frees inside itself) and, being a dispatch mode, makes
+    autograd accumulate gradients out of place; where the two agree, neither effect is at the peak.
+    Frees of blocks allocated before the step are not reported (torch warns once), so this errs
+    high."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step, live = build(method, case, with_state=True)
+    step()
+    step()
+    state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live()}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    current = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        current += e.nbytes()
+        peak = max(peak, current)
+    return sum(state.values()) + peak
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=15)
@@ -247,17 +277,20 @@ def main() -> None:
                 times[m].append((time.perf_counter() - t0) / args.block)
                 cpu[m].append((time.thread_time() - c0) / args.block)
         mem = {m: peak_bytes(m, case) for m in methods}
+        alloc = {m: allocator_peak_bytes(m, case) for m in methods}
         base_t, base_c = statistics.median(times["plain"]), statistics.median(cpu["plain"])
-        base_m = mem["plain"]
+        base_m, base_a = mem["plain"], alloc["plain"]
         print(f"\ncase ({case})")
         print(
             f"{'method':<18}{'wall ms':>9}{'ratio':>8}{'CPU ms':>9}{'ratio':>8}{'peak MiB':>10}{'ratio':>8}"
+            f"{'alloc MiB':>11}{'ratio':>8}"
         )
         for m in methods:
             t, c = statistics.median(times[m]), statistics.median(cpu[m])
             print(
                 f"{m:<18}{t * 1e3:>9.1f}{t / base_t:>7.2f}x{c * 1e3:>9.1f}{c / base_c:>7.2f}x"
                 f"{mem[m] / 2**20:>10.1f}{mem[m] / base_m:>7.2f}x"
+                f"{alloc[m] / 2**20:>11.1f}{alloc[m] / base_a:>7.2f}x"
             )
 
 
