@@ -73,7 +73,8 @@ def _ghost_sq_norms(a: torch.Tensor, gs: list[torch.Tensor]) -> torch.Tensor:
     ``a`` whatever the number of blocks.
 
     From ``T = 16`` positions on, only three quarters of each Gram are formed: its two diagonal
-    blocks and one off-diagonal block, which counts twice (about 20% less time at ``T = 64``).
+    blocks and one off-diagonal block, which counts twice (at ``T = 64``, 18-20% less time alone,
+    about 7% less inside the encoder benchmark's step, ``benchmarks/bench_dpsgd.py`` (b)).
     """
     t = a.shape[1]
     h = t // 2 if t >= 16 else 0
@@ -300,12 +301,12 @@ class StackedPart:
 
     def sq_norms(self) -> torch.Tensor:
         first = self.blocks[0]
-        if all(
+        shared = first.a.shape[1] > 1 and all(
             type(b) is LinearPart and same_elements(b.a, first.a) and not b.materialises()
             for b in self.blocks
-        ):
-            if first.a.shape[1] > 1:  # one input (self-attention's q/k/v): its Gram once
-                return _ghost_sq_norms(first.a, [b.g for b in self.blocks])
+        )
+        if shared:  # one input to all blocks (self-attention's q/k/v): its Gram once
+            return _ghost_sq_norms(first.a, [b.g for b in self.blocks])
         return torch.stack([b.sq_norms() for b in self.blocks]).sum(0)
 
     def weighted_sum(self, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
