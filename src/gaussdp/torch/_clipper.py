@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gaussdp._validate import check_choice, check_positive
 from gaussdp.errors import InvalidParameter, PrivacyError, UnsafeInput
-from gaussdp.torch._parts import DensePart, LinearPart, Part, ReluFedPart, combine
+from gaussdp.torch._parts import DensePart, LinearPart, Part, ReluFedPart, combine, same_elements
 from gaussdp.torch._rules import mha_capture, mha_captured_parts, owned_parameters, rule_for, vmap_parts
 
 __all__ = ["PerSampleClipper"]
@@ -113,12 +113,7 @@ class _ReluLink:
 
     def compare(self, total: torch.Tensor) -> None:
         mine, self.contribution = self.contribution, None
-        self.sole = (
-            mine is not None
-            and total.data_ptr() == mine.data_ptr()
-            and total.shape == mine.shape
-            and total.stride() == mine.stride()
-        )
+        self.sole = mine is not None and same_elements(total, mine)
 
 
 def _compact(part: Part) -> Part:
@@ -432,9 +427,9 @@ class PerSampleClipper:
         Recomputing costs one GEMM per layer at the end of the pass; keeping costs the gradient's
         memory from its arrival until then. The last to arrive is held for the shortest stretch of
         the backward pass, so it is the cheapest to keep. Measured on the 2-layer encoder benchmark
-        (``benchmarks/bench_dpsgd.py`` (b)): half the recomputation time, for a peak of 76.8 MiB
-        above the model's state instead of 75.0 with both recomputed (84.8 with neither; plain
-        PyTorch 71.2). With a single such layer it is recomputed: keeping it would keep them all.
+        (``benchmarks/bench_dpsgd.py`` (b), allocator events): half the recomputation time, at the
+        same peak as with both recomputed, 68.96 MiB above the step's start (74.8 with neither;
+        plain PyTorch 65.2). With a single such layer it is recomputed: keeping it would keep them all.
         """
         links = [c for c in self._calls if c.relu is not None]
         return (

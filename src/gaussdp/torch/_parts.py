@@ -21,14 +21,20 @@ __all__ = [
     "LinearPart",
     "ReluFedPart",
     "StackedPart",
+    "acc_dtype",
     "combine",
     "same_elements",
 ]
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype norms and clipped sums are accumulated in: float32 at least (bf16, fp16), float64 kept."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _acc(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in the accumulation dtype: float32 at least, float64 kept."""
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+    """``t`` in the accumulation dtype (:func:`acc_dtype`)."""
+    return t.to(acc_dtype(t.dtype))
 
 
 def _sq(t: torch.Tensor) -> torch.Tensor:

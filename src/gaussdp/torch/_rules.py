@@ -18,7 +18,15 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gaussdp.errors import UnsafeInput
-from gaussdp.torch._parts import DensePart, EmbeddingPart, LinearPart, Part, StackedPart, same_elements
+from gaussdp.torch._parts import (
+    DensePart,
+    EmbeddingPart,
+    LinearPart,
+    Part,
+    StackedPart,
+    acc_dtype,
+    same_elements,
+)
 
 __all__ = ["MHACapture", "Rule", "mha_capture", "mha_captured_parts", "owned_parameters", "rule_for"]
 
@@ -196,7 +204,7 @@ def _mha(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
     b, tgt, e = q_in.shape
     src, h = k_in.shape[1], m.num_heads
     hd = e // h
-    dtype = torch.promote_types(q_in.dtype, torch.float32)
+    dtype = acc_dtype(q_in.dtype)
     if m._qkv_same_embed_dim:
         w_q, w_k, w_v = m.in_proj_weight.detach().chunk(3)
     else:
@@ -516,7 +524,7 @@ def mha_captured_parts(module, args, kwargs, grads, owned, cap):  # type: ignore
         g_bias = g_qkv.sum(1) if "in_proj_bias" in owned else None
     if g_bias is not None:
         out.append((owned["in_proj_bias"], DensePart(g_bias, m.in_proj_bias.shape)))
-    o = tokens(cap.output).to(torch.promote_types(x.dtype, torch.float32))
+    o = tokens(cap.output).to(acc_dtype(x.dtype))
     return out + _out_proj_parts(m, owned, o, g_out)
 
 

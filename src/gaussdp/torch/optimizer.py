@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from gaussdp._validate import check_nonnegative, check_positive
 from gaussdp.errors import InvalidParameter, UnsafeInput
 from gaussdp.torch._clipper import PerSampleClipper
+from gaussdp.torch._parts import acc_dtype
 from gaussdp.torch._random import add_standard_normal_, noise_buffer
 
 __all__ = ["DPOptimizer"]
@@ -157,7 +158,7 @@ class DPOptimizer(Optimizer):
         std = self._std()
         if std <= 0 or p.device.type != "cpu":
             return None
-        return noise_buffer(self.generator, p.shape, _sum_dtype(p), std), std
+        return noise_buffer(self.generator, p.shape, acc_dtype(p.dtype), std), std
 
     def _check_samples(self) -> None:
         if self._loader is None:
@@ -190,7 +191,7 @@ class DPOptimizer(Optimizer):
         for p in self.params:
             s = self.clipper.summed.get(p)
             if s is None:
-                s = torch.zeros(p.shape, dtype=_sum_dtype(p), device=p.device)
+                s = torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=p.device)
             extra = math.sqrt(max(0.0, std * std - self.clipper.noised.get(p, 0.0) ** 2))
             if extra > 0:
                 add_standard_normal_(self.generator, s, extra)  # in place, through a small host scratch
@@ -230,11 +231,6 @@ class DPOptimizer(Optimizer):
         for p in self.params:
             p.grad = None
         return loss
-
-
-def _sum_dtype(p: torch.nn.Parameter) -> torch.dtype:
-    """The dtype clipped sums are kept in: float32 at least (bf16/fp16 parameters), float64 kept."""
-    return torch.promote_types(p.dtype, torch.float32)
 
 
 def _moves(optimizer: Optimizer) -> bool:
