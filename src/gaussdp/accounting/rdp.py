@@ -53,26 +53,76 @@ DEFAULT_ORDERS: tuple[float, ...] = tuple(
 
 
 def _log_a_int(q: float, sigma: float, alpha: int) -> float:
-    # A_alpha = sum_k C(alpha, k) (1-q)^(alpha-k) q^k exp((k^2 - k) / (2 sigma^2))   (MTZ 2019, Sec 3.2)
-    k = np.arange(alpha + 1, dtype=np.float64)
+    # A_alpha = sum_k C(alpha, k) (1-q)^(alpha-k) q^k exp((k^2 - k) / (2 sigma^2))   (MTZ 2019, Sec 3.2).
+    # The binomial weights sum to 1, so A_alpha - 1 = sum_{k>=2} C(alpha, k) (1-q)^(alpha-k) q^k
+    # expm1((k^2 - k) / (2 sigma^2)): every term is >= 0 and nothing cancels. Summing A_alpha itself
+    # loses A_alpha - 1 to rounding once it is below ~1e-16 (q/sigma <= ~1e-7), and a zero RDP then
+    # claims delta = 0.
+    if alpha < 2:
+        return 0.0
+    k = np.arange(2, alpha + 1, dtype=np.float64)
     log_binom = special.gammaln(alpha + 1.0) - special.gammaln(k + 1.0) - special.gammaln(alpha - k + 1.0)
-    log_terms = log_binom + k * math.log(q) + (alpha - k) * math.log1p(-q) + (k * k - k) / (2 * sigma**2)
-    return float(special.logsumexp(log_terms))
+    y = (k * k - k) / (2 * sigma**2)
+    log_gain = y + np.log(-np.expm1(-y))  # log(expm1(y)), also where expm1(y) overflows
+    log_terms = log_binom + k * math.log(q) + (alpha - k) * math.log1p(-q) + log_gain
+    return _log1p_exp(float(special.logsumexp(log_terms)))
+
+
+def _log1p_exp(log_x: float) -> float:
+    """log(1 + e^log_x), accurate for tiny and huge x."""
+    return log_x + math.log1p(math.exp(-log_x)) if log_x > 0.0 else math.log1p(math.exp(log_x))
+
+
+def _log_excess(q: float, z: FloatArray, alpha: float) -> FloatArray:
+    """log((1 + r)^alpha - 1 - alpha r) for r = q expm1(z) > -1, without cancellation or overflow.
+
+    The value is >= 0 by convexity. Near r = 0: the binomial series sum_{j>=2} C(alpha, j) r^j (its
+    terms shrink by |r| < 0.1 each); for r <= -0.1 the plain formula; for r >= 0.1 ``alpha log(1 + r)
+    + log(1 - (1 + alpha r) / (1 + r)^alpha)`` with both logarithms formed in log space, so that huge
+    r does not overflow.
+    """
+    with np.errstate(over="ignore"):
+        r = q * np.expm1(np.minimum(z, 700.0))
+    out = np.empty_like(z)
+    small = np.abs(r) < 0.1
+    rs = r[small]
+    coef, total, power = 1.0, np.zeros_like(rs), np.ones_like(rs)
+    for j in range(1, 24):
+        coef *= (alpha - j + 1) / j
+        power = power * rs
+        if j >= 2:
+            total += coef * power
+    with np.errstate(divide="ignore"):
+        out[small] = np.log(total)  # -inf at r = 0 exactly: that point adds nothing
+    # r <= -0.1: every quantity is of order 1, the plain formula is accurate.
+    neg = ~small & (r < 0.0)
+    rn = r[neg]
+    out[neg] = np.log(np.exp(alpha * np.log1p(rn)) - 1.0 - alpha * rn)
+    pos = ~small & (r > 0.0)
+    zp = z[pos]
+    log1p_r = np.logaddexp(math.log1p(-q), math.log(q) + zp)  # log(1 + r)
+    log_r = math.log(q) + zp + np.log(-np.expm1(-zp))  # z > 0 where r > 0
+    log1p_ar = np.logaddexp(0.0, math.log(alpha) + log_r)
+    out[pos] = alpha * log1p_r + np.log(-np.expm1(log1p_ar - alpha * log1p_r))
+    return out
 
 
 def _log_a_frac(q: float, sigma: float, alpha: float) -> float:
-    # A_alpha = E_{x ~ N(0, sigma^2)} [((1-q) + q exp((2x - 1) / (2 sigma^2)))^alpha], the definition
-    # that MTZ 2019 (Section 3.3) expand into two series. Those series converge only polynomially
-    # when q is not small (dp_accounting drops such orders); the integrand is analytic and decays
-    # like a Gaussian, so the trapezoid rule on a wide grid is accurate to rounding (its error is
-    # exponentially small in 1/step), checked against the series and quadrature in the tests.
+    # A_alpha = E_{x ~ N(0, sigma^2)} [(1 + r(x))^alpha], r(x) = q (exp((2x - 1) / (2 sigma^2)) - 1),
+    # the definition that MTZ 2019 (Section 3.3) expand into two series. Those series converge only
+    # polynomially when q is not small (dp_accounting drops such orders); the integrand is analytic
+    # and decays like a Gaussian, so the trapezoid rule on a wide grid is accurate to rounding (its
+    # error is exponentially small in 1/step), checked against the series and quadrature in the
+    # tests. E[r] = 0, so A_alpha - 1 = E[(1 + r)^alpha - 1 - alpha r], whose integrand is >= 0
+    # (convexity): integrating that excess keeps it accurate when it is far below 1e-16.
     lo, hi = -40.0 * sigma, max(alpha, 1.0) + 40.0 * sigma
     n = math.ceil((hi - lo) / (sigma / 40.0)) + 1
     x = np.linspace(lo, hi, n)
     step = (hi - lo) / (n - 1)
-    log_ratio = np.logaddexp(math.log1p(-q), math.log(q) + (2.0 * x - 1.0) / (2.0 * sigma**2))
-    log_f = -(x * x) / (2.0 * sigma**2) - math.log(sigma * math.sqrt(2.0 * math.pi)) + alpha * log_ratio
-    return float(special.logsumexp(log_f) + math.log(step))
+    z = (2.0 * x - 1.0) / (2.0 * sigma**2)
+    log_density = -(x * x) / (2.0 * sigma**2) - math.log(sigma * math.sqrt(2.0 * math.pi))
+    log_f = log_density + _log_excess(q, z, alpha)
+    return _log1p_exp(float(special.logsumexp(log_f) + math.log(step)))
 
 
 @functools.lru_cache(maxsize=256)
