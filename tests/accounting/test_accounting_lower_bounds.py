@@ -74,7 +74,10 @@ def _mp_log_a_int(q: float, sigma: float, alpha: int) -> float:
     mpmath.mp.dps = 50
     q_, s = mpmath.mpf(q), mpmath.mpf(sigma)
     terms = (
-        mpmath.binomial(alpha, k) * (1 - q_) ** (alpha - k) * q_**k * mpmath.exp(mpmath.mpf(k * k - k) / (2 * s * s))
+        mpmath.binomial(alpha, k)
+        * (1 - q_) ** (alpha - k)
+        * q_**k
+        * mpmath.exp(mpmath.mpf(k * k - k) / (2 * s * s))
         for k in range(alpha + 1)
     )
     return float(mpmath.log(mpmath.fsum(terms)))

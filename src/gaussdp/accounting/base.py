@@ -225,13 +225,23 @@ def available_accountants() -> tuple[str, ...]:
     return tuple(_registry())
 
 
-def accountant(name: str = "pld", **options: Any) -> Accountant:
-    """A fresh accountant by name: ``"pld"`` (default, tightest), ``"rdp"``, ``"advanced"``,
-    ``"basic"``, or ``"gdp"`` (central-limit approximation, not an upper bound).
+def accountant(name: str = "pld", *, allow_approximate: bool = False, **options: Any) -> Accountant:
+    """A fresh accountant by name: ``"pld"`` (default, tightest), ``"rdp"``, ``"advanced"`` or ``"basic"``.
+
+    Every one of these returns upper bounds on epsilon(delta), so whatever calibrates noise, enforces a
+    budget or prints a guarantee from this factory prints a bound. ``"gdp"`` (central-limit
+    approximation, which can fall below the true epsilon) is refused unless ``allow_approximate=True``
+    is given by name: it is for plots and comparisons only, and says so (``approximate`` is True).
 
     >>> from gaussdp.accounting import SubsampledGaussianEvent
     >>> acc = accountant("rdp").compose(SubsampledGaussianEvent(1.1, 256 / 60000), count=14063)
     >>> 2.4 < acc.epsilon(1e-5) < 2.7
+    True
+    >>> accountant("gdp")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    gaussdp.errors.InvalidParameter: accountant='gdp' is an approximation, not an upper bound: ...
+    >>> accountant("gdp", allow_approximate=True).approximate
     True
     """
     if not isinstance(name, str):
@@ -240,27 +250,18 @@ def accountant(name: str = "pld", **options: Any) -> Accountant:
     key = name.lower()
     if key not in reg:
         raise InvalidParameter(f"unknown accountant name={name!r}; choose one of {sorted(reg)}")
-    return reg[key](**options)
+    cls = reg[key]
+    if cls.approximate and allow_approximate is not True:
+        raise InvalidParameter(
+            f"accountant={name!r} is an approximation, not an upper bound: use 'pld', 'rdp', 'advanced' "
+            "or 'basic' (pass allow_approximate=True to get it for a plot or a comparison)"
+        )
+    return cls(**options)
 
 
 def upper_bound_accountant(name: str = "pld", **options: Any) -> Accountant:
-    """:func:`accountant`, refused when it is an approximation whose epsilon could be too small.
-
-    Every epsilon gaussdp prints, enforces as a budget or calibrates noise for must be an upper
-    bound: "gdp" (central limit theorem) is only for plots and comparisons.
-
-    >>> upper_bound_accountant("gdp")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    gaussdp.errors.InvalidParameter: accountant='gdp' is an approximation, not an upper bound: ...
-    """
-    acc = accountant(name, **options)
-    if acc.approximate:
-        raise InvalidParameter(
-            f"accountant={name!r} is an approximation, not an upper bound: use 'pld', 'rdp', 'advanced' "
-            "or 'basic'"
-        )
-    return acc
+    """:func:`accountant`, which refuses approximations: kept as the name budgets and engines call."""
+    return accountant(name, **options)
 
 
 def fixed_leaves(counts: dict[Event, int]) -> list[tuple[EpsilonDeltaEvent, int]]:

@@ -46,7 +46,8 @@ def noise_for_epsilon(
         delta: delta, in (0, 1).
         sample_rate: Poisson sampling rate q in (0, 1].
         steps: number of releases, >= 1.
-        accountant: accountant name (``"pld"`` default; see :func:`gaussdp.accounting.accountant`).
+        accountant: accountant name (``"pld"`` default; see :func:`gaussdp.accounting.accountant`);
+            an approximation (``"gdp"``) is refused: the noise must provably meet the target.
         **options: passed to the accountant's constructor.
 
     Raises:
@@ -59,8 +60,8 @@ def noise_for_epsilon(
     delta = check_delta(delta)
     q = check_probability("sample_rate", sample_rate)
     steps = check_count(steps, "steps")
-    probe = make_accountant(accountant, **options)  # validates the name and options first
-    if q >= 1.0 and not probe.approximate and accountant in ("pld", "rdp"):
+    make_accountant(accountant, **options)  # validates the name and options; refuses approximations
+    if q >= 1.0 and accountant in ("pld", "rdp"):
         sigma = math.sqrt(steps) * sigma_for(epsilon=target, delta=delta)
         return _final_check(sigma, target, delta, q, steps, accountant, options)
 

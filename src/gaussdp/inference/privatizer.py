@@ -196,6 +196,9 @@ class HiddenStatePrivatizer(SetOnce):
         self.private = self.noise_enabled and seed is None
         self._source = self._make_source(noise, seed) if self.noise_enabled else None
         self.ledger = ledger
+        from gaussdp.accounting import accountant as make_accountant
+
+        make_accountant(accountant)  # the name, now: an approximation ("gdp") is refused
         self.accountant_name = accountant
         if budget is not None:
             if ledger is None:
