@@ -9,9 +9,7 @@ import pytest
 
 from gaussdp.accounting import (
     GaussianEvent,
-    PrivacyAccountant,
     PrivacyBudget,
-    PrivacyBudgetTracker,
     PrivacyParams,
     SubsampledGaussianEvent,
     accountant,
@@ -22,6 +20,7 @@ from gaussdp.accounting import (
     estimate_noise_scale,
     noise_for_epsilon,
 )
+from gaussdp.budget import PrivacyAccountant, PrivacyBudgetTracker
 from gaussdp.calibration import classical_sigma, epsilon_for, sigma_for
 from gaussdp.errors import BudgetExhausted, InvalidParameter, PrivacyWarning
 
@@ -94,7 +93,7 @@ def test_privacy_accountant_basic_as_documented(caplog):
     acc.record_expenditure(epsilon=1.0, delta=1e-5, round_num=2)
     assert acc.get_total_privacy() == (3.0, pytest.approx(3e-5))
     assert acc.check_budget() and acc.get_remaining_budget() == 2.0
-    with caplog.at_level(logging.WARNING, logger="gaussdp.accounting.documents"):
+    with caplog.at_level(logging.WARNING, logger="gaussdp.budget.trackers"):
         acc.record_expenditure(epsilon=2.5, delta=1e-5, round_num=3)
     assert "budget exceeded" in caplog.text
     assert not acc.check_budget() and acc.get_remaining_budget() == 0.0

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from gaussdp.accounting import (
-    PrivacyAccountant,
     PrivacyBudget,
     SubsampledGaussianEvent,
     accountant,
@@ -18,7 +17,7 @@ from gaussdp.accounting import (
     estimate_noise_scale,
     noise_for_epsilon,
 )
-from gaussdp.budget import Budget, Ledger
+from gaussdp.budget import Budget, Ledger, PrivacyAccountant
 from gaussdp.errors import InvalidParameter
 
 REFUSED = "accountant='gdp' is an approximation, not an upper bound"

@@ -16,11 +16,7 @@ from gaussdp.accounting.base import (
 )
 from gaussdp.accounting.basic import BasicComposition
 from gaussdp.accounting.documents import (
-    BudgetState,
-    PrivacyAccountant,
     PrivacyBudget,
-    PrivacyBudgetTracker,
-    PrivacyExpenditure,
     PrivacyParams,
     advanced_composition_epsilon,
     basic_composition_epsilon,
@@ -46,17 +42,13 @@ __all__ = [
     "Accountant",
     "AdvancedComposition",
     "BasicComposition",
-    "BudgetState",
     "ComposedEvent",
     "EpsilonDeltaEvent",
     "Event",
     "GDPAccountant",
     "GaussianEvent",
     "PLDAccountant",
-    "PrivacyAccountant",
     "PrivacyBudget",
-    "PrivacyBudgetTracker",
-    "PrivacyExpenditure",
     "PrivacyParams",
     "RDPAccountant",
     "SelfComposedEvent",
@@ -73,3 +65,23 @@ __all__ = [
     "noise_for_epsilon",
     "upper_bound_accountant",
 ]
+
+# The ledger-backed trackers moved up to the budget layer (they use the ledger, which sits above
+# accounting); the old names still resolve, lazily, with a DeprecationWarning.
+_MOVED_TO_BUDGET = frozenset(
+    {"BudgetState", "PrivacyAccountant", "PrivacyBudgetTracker", "PrivacyExpenditure"}
+)
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED_TO_BUDGET:
+        import importlib
+        import warnings
+
+        warnings.warn(
+            f"gaussdp.accounting.{name} moved to gaussdp.budget.{name}; import it from there",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module("gaussdp.budget.trackers"), name)
+    raise AttributeError(f"module 'gaussdp.accounting' has no attribute {name!r}")

@@ -12,14 +12,19 @@ from __future__ import annotations
 from gaussdp.budget._types import Budget, ChargeRecord, Receipt, Spent
 from gaussdp.budget.ledger import Ledger
 from gaussdp.budget.store import PrincipalConflict, UnknownPrincipal
+from gaussdp.budget.trackers import BudgetState, PrivacyAccountant, PrivacyBudgetTracker, PrivacyExpenditure
 from gaussdp.errors import BudgetExhausted
 
 __all__ = [
     "Budget",
     "BudgetExhausted",
+    "BudgetState",
     "ChargeRecord",
     "Ledger",
     "PrincipalConflict",
+    "PrivacyAccountant",
+    "PrivacyBudgetTracker",
+    "PrivacyExpenditure",
     "Receipt",
     "Spent",
     "UnknownPrincipal",

@@ -132,7 +132,7 @@ class RoundLedger:
 
 
 def privacy_accountant(ledger: Any, principal: str) -> Any:
-    """Document 003's :class:`gaussdp.accounting.documents.PrivacyAccountant` filled from the ledger.
+    """Document 003's :class:`gaussdp.budget.PrivacyAccountant` filled from the ledger.
 
     Every charge of ``principal`` becomes one expenditure of its round (from the idempotency key),
     with its exact event. The budget's delta is split evenly over the ``n`` charges (each spend is
@@ -141,7 +141,7 @@ def privacy_accountant(ledger: Any, principal: str) -> Any:
     ledger's own figure. The ledger stays the source of truth; this is a read-only view.
     """
     from gaussdp.accounting import accountant, event_from_dict
-    from gaussdp.accounting.documents import PrivacyAccountant, PrivacyExpenditure
+    from gaussdp.budget.trackers import PrivacyAccountant, PrivacyExpenditure
 
     led = _as_ledger(ledger)
     budget = led.budget(principal)

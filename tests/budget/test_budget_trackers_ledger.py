@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from gaussdp.accounting import GaussianEvent
-from gaussdp.accounting.documents import PrivacyAccountant, PrivacyBudgetTracker
-from gaussdp.budget import Ledger, PrincipalConflict
+from gaussdp.budget import Ledger, PrincipalConflict, PrivacyAccountant, PrivacyBudgetTracker
 from gaussdp.errors import BudgetExhausted, InvalidParameter, PrivacyError, PrivacyWarning
 
 # Mixed query sizes: after the first refusal, smaller queries may still fit, so the whole
