@@ -512,3 +512,34 @@ def test_scheduler_and_state_dict_see_the_users_optimizer():
     engine.detach()  # hooks removed: an ordinary model again
     model(torch.randn(2, 6)).sum().backward()
     assert model[0].weight.grad is not None
+
+
+def _batchnorm_model(kind):
+    torch.manual_seed(0)
+    if kind == "frozen":  # no trainable parameter of its own: no hook ever saw it
+        bn = nn.BatchNorm1d(8)
+        bn.requires_grad_(False)
+    elif kind == "affine_false":
+        bn = nn.BatchNorm1d(8, affine=False)
+    else:  # batch statistics in eval mode too
+        bn = nn.BatchNorm1d(8, track_running_stats=False)
+    return nn.Sequential(nn.Linear(6, 8), bn, nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("kind", ["frozen", "affine_false", "no_running_stats"])
+def test_batchnorm_without_trainable_parameters_is_refused(kind):
+    """Privacy bug 1 of issue 16: a BatchNorm that owns no trainable parameter mixes the samples of a
+    batch (removing one record moves every other record's output, so clipping bounds nothing) and
+    was accepted silently, since only modules owning trainable parameters were looked at."""
+    model = _batchnorm_model(kind)
+    x = torch.randn(8, 6)
+    with torch.no_grad():
+        assert (model(x)[1:] - model(x[1:])).abs().max() > 1e-3  # sample 0 moved the others' outputs
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(_data(n=32), batch_size=8)
+    with pytest.raises(InvalidParameter, match=r"(?s)\n  1 \(BatchNorm1d\): .*; use nn\.GroupNorm") as err:
+        PrivacyEngine().make_private(
+            module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0
+        )
+    assert [(p.path, p.kind) for p in err.value.problems] == [("1", "BatchNorm1d")]
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

@@ -44,6 +44,7 @@ from gaussdp._validate import check_choice, check_positive
 from gaussdp.errors import InvalidParameter, PrivacyError, UnsafeInput
 from gaussdp.torch._parts import DensePart, LinearPart, Part, ReluFedPart, combine, same_elements
 from gaussdp.torch._rules import mha_capture, mha_captured_parts, owned_parameters, rule_for, vmap_parts
+from gaussdp.torch.validator import ModuleValidator
 
 __all__ = ["PerSampleClipper"]
 
@@ -209,6 +210,9 @@ class PerSampleClipper:
     ) -> None:
         check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
         check_choice("clipping", clipping, ("flat", "per_layer"))
+        # modules that mix samples (BatchNorm) or keep unnoised aggregates of the data are refused
+        # whether or not they own trainable parameters: the hooks below see only those that do
+        ModuleValidator.validate(module, strict=True)
         self.module = module
         self.loss_reduction = loss_reduction
         self.clipping = clipping

@@ -36,6 +36,7 @@ from gaussdp.torch._clipper import PerSampleClipper
 from gaussdp.torch._random import KeystreamNormal, keystream_normal_available, torch_generator
 from gaussdp.torch.data import DPDataLoader
 from gaussdp.torch.optimizer import DPOptimizer, _distributed
+from gaussdp.torch.validator import ModuleValidator
 
 __all__ = ["PrivacyEngine"]
 
@@ -123,6 +124,12 @@ class PrivacyEngine:
 
         Returns:
             ``(module, optimizer, data_loader)``.
+
+        Raises:
+            UnsupportedModule: ``module`` holds a submodule that mixes the samples of a batch or
+                keeps unnoised statistics of the data (any ``BatchNorm``, trainable or not), or a
+                fused RNN; the message names each by its path and replacement
+                (:class:`gaussdp.torch.ModuleValidator`).
         """
         unsupported = sorted(set(_opacus_only) - {"grad_sample_mode"})
         if unsupported:  # never ignore an option that would change what the user expects
@@ -135,6 +142,7 @@ class PrivacyEngine:
             )
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        ModuleValidator.validate(module, strict=True)  # before anything else is made or warned
         if not batch_first:
             raise InvalidParameter("batch_first=False is not supported: put the batch in dimension 0")
         sigma = check_nonnegative("noise_multiplier", noise_multiplier)
