@@ -543,3 +543,61 @@ def test_batchnorm_without_trainable_parameters_is_refused(kind):
         )
     assert [(p.path, p.kind) for p in err.value.problems] == [("1", "BatchNorm1d")]
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_accumulated_batches_without_poisson_sampling_refused():
+    """Privacy bug 2 of issue 16: with poisson_sampling=False, k batches accumulated before one step
+    were charged as one batch (sample rate 1/len(loader) instead of k/len(loader)) and averaged over
+    one batch (a gradient k times the mean). A step may use one batch, split or not, as in Poisson
+    mode; the charge is the accountant's for one batch, and a refused step charges nothing."""
+    sigma, n, batch, k = 1.0, 128, 16, 4
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    engine = PrivacyEngine()
+    with pytest.warns(PrivacyWarning, match="poisson_sampling=False"):
+        _, opt, loader = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_data(n), batch_size=batch, shuffle=True),
+            noise_multiplier=sigma,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+        )
+    q = 1 / len(loader)
+    it = iter(loader)
+    x, y = next(it)
+    for xb, yb in split_batch((x, y), 5):  # one batch in micro-batches: one batch's charge
+        nn.functional.cross_entropy(model(xb), yb).backward()
+    opt.step()
+    one = accounting.accountant("pld").compose(accounting.SubsampledGaussianEvent(sigma, q))
+    assert engine.get_epsilon(1e-5) == pytest.approx(one.epsilon(1e-5), rel=1e-9)
+    for _ in range(k):  # gradient accumulation over k batches
+        x, y = next(it)
+        nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(
+        UnsafeInput, match=r"64 samples were clipped since the last step, more than one batch"
+    ):
+        opt.step()
+    assert engine.steps == 1 and engine.get_epsilon(1e-5) == pytest.approx(one.epsilon(1e-5), rel=1e-9)
+    # what the k batches cost (sample rate k q) is far above what one batch's charge would have said
+    union = accounting.accountant("pld").compose(accounting.SubsampledGaussianEvent(sigma, k * q))
+    assert union.epsilon(1e-5) > 1.5 * one.epsilon(1e-5)
+    opt.zero_grad()
+    x, y = next(it)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()  # after zero_grad the next single batch is a step again
+    assert engine.steps == 2
+
+
+def test_poisson_sampling_false_needs_a_batch_size():
+    model = nn.Linear(6, 3)
+    loader = DataLoader(_data(32), batch_sampler=[[0, 1], [2, 3, 4]])
+    with pytest.raises(InvalidParameter, match="fixed batch_size"), pytest.warns(PrivacyWarning):
+        PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+        )

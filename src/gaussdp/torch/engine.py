@@ -15,6 +15,7 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -110,7 +111,11 @@ class PrivacyEngine:
             max_grad_norm: per-sample clip bound ``C > 0`` over all trainable parameters; with
                 ``clipping="per_layer"`` also a list of one bound per trainable parameter.
             poisson_sampling: True (the accountant's assumption). False keeps the user's loader and
-                warns: the epsilon reported is then not a proven bound.
+                warns: the epsilon reported is then not a proven bound. Each step is charged and
+                averaged as one batch of the loader's ``batch_size``, so a step after more samples
+                than one batch (batches accumulated over several backward passes) is refused, as
+                two Poisson batches are; for larger steps use a larger ``batch_size`` and
+                :func:`gaussdp.torch.split_batch`.
             loss_reduction: "mean" (default) or "sum", how the loss combines the batch.
             batch_first: must be True: the batch is dimension 0 of every layer input.
             clipping: ``"flat"`` (default) or ``"per_layer"`` (as in Opacus): each parameter's
@@ -156,6 +161,7 @@ class PrivacyEngine:
             warnings.warn("noise_multiplier=0: training is NOT private", NotPrivateWarning, stacklevel=2)
 
         rank, world = _distributed()
+        per_step: int | None = None  # without Poisson sampling: the most samples one step may use
         if poisson_sampling:
             loader: Any = DPDataLoader.from_data_loader(
                 data_loader,
@@ -173,9 +179,19 @@ class PrivacyEngine:
                 PrivacyWarning,
                 stacklevel=2,
             )
+            if data_loader.batch_size is None:
+                raise InvalidParameter(
+                    "poisson_sampling=False needs a data_loader with a fixed batch_size (it has a "
+                    "batch_sampler): each step is charged and averaged as one batch of batch_size"
+                )
             loader = data_loader
             sample_rate = 1.0 / len(data_loader)
-            expected = float(data_loader.batch_size or 1) * world
+            expected = float(data_loader.batch_size) * world
+            # more samples in one step than one batch means batches were accumulated, which
+            # this sample rate and denominator do not cover
+            per_step = data_loader.batch_size
+            with contextlib.suppress(TypeError):
+                per_step = min(per_step, len(data_loader.sampler))  # type: ignore[arg-type]
         clipper = PerSampleClipper(
             module, max_grad_norm=max_grad_norm, loss_reduction=loss_reduction, clipping=clipping
         )
@@ -189,6 +205,7 @@ class PrivacyEngine:
                 generator=self._noise_generator(noise_seed),
                 on_step=self._charge,
                 loader=loader if poisson_sampling else None,
+                max_samples_per_step=per_step,
             )
         except BaseException:
             clipper.remove()  # refused: leave the module exactly as it was given
