@@ -270,6 +270,63 @@ def test_tied_and_reused_weights():
     check(Tied(), [torch.randint(0, 11, (5, 4))])
 
 
+class RecurrentHead(nn.Module):
+    def __init__(self, rnn, hidden):
+        super().__init__()
+        self.rnn = rnn
+        self.fc = nn.Linear(hidden, 2)
+
+    def forward(self, x):
+        return self.fc(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("name", ["DPLSTM", "DPGRU", "DPRNN"])
+@pytest.mark.parametrize("kw", [{}, {"num_layers": 2, "bidirectional": True}])
+def test_opacus_dp_rnns_one_owner_per_parameter(monkeypatch, name, kw):
+    """Opacus's DP RNNs hold every weight of their inner RNNLinear maps under their own names too:
+    the inner map, which uses it, is its one owner (two owners doubled every per-sample norm) and
+    its linear rule is used, the layer is not recomputed per sample."""
+    layers = pytest.importorskip("opacus.layers")
+    from gaussdp.torch import _clipper, _rules
+
+    torch.manual_seed(0)
+    rnn = getattr(layers, name)(4, 5, batch_first=True, **kw)
+    model = RecurrentHead(rnn, 10 if kw else 5)
+    x = torch.randn(6, 7, 4)
+    check(model, [x])
+    owners = _clipper._owners(model)
+    assert rnn not in owners
+    owned = [id(p) for o in owners.values() for p in o.values()]
+    assert sorted(owned) == sorted(id(p) for p in model.parameters())  # each exactly once
+    assert all(type(m).__name__ in ("RNNLinear", "Linear") for m in owners)
+
+    def no_vmap(*args):
+        raise AssertionError("vmap fallback used")
+
+    monkeypatch.setattr(_clipper, "vmap_parts", no_vmap)
+    monkeypatch.setattr(_rules, "vmap_parts", no_vmap)
+    check(model, [x])
+
+
+class AliasUsedByParent(nn.Module):
+    """Holds its child's weight under its own name too, and uses it outside the child."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.alias = self.lin.weight
+
+    def forward(self, x):
+        return self.lin(x) + x @ self.alias
+
+
+def test_parent_using_its_childs_parameter_fails_closed():
+    model = AliasUsedByParent()
+    PerSampleClipper(model, max_grad_norm=1.0)
+    with pytest.raises(PrivacyError, match=r"\['alias'\] received gradients outside"):
+        model(torch.randn(4, 3)).sum().backward()
+
+
 def test_conv1d_conv2d():
     torch.manual_seed(0)
     check(

@@ -182,6 +182,40 @@ def _split_self_attention(module: nn.MultiheadAttention, args: tuple, kwargs: di
     return (x, x.view_as(x), x.view_as(x), *args[3:]), kwargs
 
 
+def _owners(root: nn.Module) -> dict[nn.Module, dict[str, nn.Parameter]]:
+    """The modules whose calls give per-sample gradients, each with the parameters it owns.
+
+    A parameter is owned by the modules that hold it (see :func:`owned_parameters`), except one
+    that a descendant also holds: a layer that re-registers its submodules' parameters under its
+    own names (Opacus's ``DPLSTM`` holds every weight of its inner ``RNNLinear`` maps) does not use
+    them itself, and two owners would count every per-sample gradient twice. Unrelated holders
+    (tied weights: an embedding and an output layer) both own it; their parts are combined.
+    """
+    found: dict[nn.Module, dict[str, nn.Parameter]] = {}
+    skip: set[int] = set()
+    for _, m in root.named_modules(remove_duplicate=False):
+        if id(m) in skip or m in found:
+            continue
+        if isinstance(m, nn.MultiheadAttention):
+            skip.update(id(s) for s in m.modules() if s is not m)
+        owned = dict(owned_parameters(m))
+        if owned:
+            found[m] = owned
+    holders: dict[int, list[nn.Module]] = {}
+    for m, owned in found.items():
+        for p in owned.values():
+            holders.setdefault(id(p), []).append(m)
+    drop: dict[nn.Module, set[int]] = {}
+    for pid, ms in holders.items():
+        for m in ms if len(ms) > 1 else ():
+            below = {id(s) for s in m.modules() if s is not m}
+            if any(id(other) in below for other in ms if other is not m):
+                drop.setdefault(m, set()).add(pid)
+    for m, pids in drop.items():
+        found[m] = {n: p for n, p in found[m].items() if id(p) not in pids}
+    return {m: owned for m, owned in found.items() if owned}
+
+
 class PerSampleClipper:
     """Hooks on ``module`` that leave, after each backward pass, the per-sample-clipped gradient sums.
 
@@ -260,15 +294,7 @@ class PerSampleClipper:
     # ----------------------------------------------------------------------------------- hooks
     def _register(self, root: nn.Module) -> None:
         covered: set[int] = set()
-        skip: set[int] = set()
-        for _, m in root.named_modules(remove_duplicate=False):
-            if id(m) in skip or m in self._owned:
-                continue
-            if isinstance(m, nn.MultiheadAttention):
-                skip.update(id(s) for s in m.modules() if s is not m)
-            owned = dict(owned_parameters(m))
-            if not owned:
-                continue
+        for m, owned in _owners(root).items():
             covered.update(id(p) for p in owned.values())
             self._owned[m] = owned
             self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
