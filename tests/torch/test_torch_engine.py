@@ -601,3 +601,33 @@ def test_poisson_sampling_false_needs_a_batch_size():
             max_grad_norm=1.0,
             poisson_sampling=False,
         )
+
+
+def test_deepcopy_and_pickle_of_a_private_model_give_an_ordinary_model():
+    """copy.deepcopy(model) after make_private crashed (the hooks dragged the clipper and the
+    optimizer along). A copy is an ordinary model: its parameters are not the ones clipped and
+    stepped; the original stays private."""
+    import copy
+    import io
+
+    engine, model, opt, loader = _setup()
+    batches = (b for b in loader if len(b[0]))
+    x, y = next(batches)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    twin = copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for other in (twin, loaded):
+        for p, q in zip(model.parameters(), other.parameters(), strict=True):
+            assert torch.equal(p, q) and p is not q
+        nn.functional.cross_entropy(other(x), y).backward()  # plain gradients, no clipper involved
+        assert all(p.grad is not None for p in other.parameters())
+    assert all(p.grad is None for p in model.parameters())
+    x, y = next(batches)
+    nn.functional.cross_entropy(model(x), y).backward()  # the original is still clipped per sample
+    assert opt.clipper.samples == len(x)
+    opt.step()
+    assert engine.steps == 2

@@ -250,6 +250,60 @@ def test_embedding_padding_idx_and_expanded_positions():
     assert float(clipper.summed[model.tok.weight][1].abs().max()) == 0.0
 
 
+class Bags(nn.Module):
+    """Bags of ``lengths[i]`` ids from row ``i`` of ``ids``, given to an ``nn.EmbeddingBag`` as one
+    flat input with ``offsets`` (or, with ``flat=False``, as the 2-D rows)."""
+
+    def __init__(self, flat=True, weighted=False, **kw):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(12, 5, **kw)
+        self.fc = nn.Linear(5, 2)
+        self.flat, self.weighted = flat, weighted
+
+    def forward(self, ids, lengths, weights):
+        if not self.flat:
+            return self.fc(self.bag(ids, per_sample_weights=weights if self.weighted else None))
+        n = lengths.long()
+        keep = torch.arange(ids.shape[1]).unsqueeze(0) < n.unsqueeze(1)
+        offsets = torch.cat((torch.zeros(1, dtype=torch.long), n.cumsum(0)))
+        if not self.bag.include_last_offset:
+            offsets = offsets[:-1]
+        psw = weights[keep] if self.weighted else None
+        return self.fc(self.bag(ids[keep], offsets, per_sample_weights=psw))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"mode": "sum"},
+        {"mode": "mean"},
+        {"mode": "mean", "padding_idx": 3},
+        {"mode": "sum", "weighted": True, "padding_idx": 0},
+        {"mode": "sum", "include_last_offset": True},
+        {"mode": "mean", "flat": False},
+        {"mode": "sum", "flat": False, "weighted": True},
+        pytest.param(  # the vmap fallback (functorch has no batching rule for embedding_bag)
+            {"mode": "max", "flat": False},
+            marks=pytest.mark.filterwarnings("ignore:There is a performance drop"),
+        ),
+    ],
+)
+def test_embedding_bag_with_offsets(kw):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 12, (6, 7))
+    ids[0, :3] = 3  # a repeated row within a bag; with padding_idx=3 an empty bag
+    ids[1, :] = 5
+    lengths = torch.tensor([3, 7, 1, 0, 4, 7])  # an empty bag too
+    check(Bags(**kw), [ids, lengths, torch.rand(6, 7)])
+
+
+def test_embedding_bag_without_a_rule_refused_with_offsets():
+    model = Bags(mode="max")
+    PerSampleClipper(model, max_grad_norm=1.0)
+    with pytest.raises(UnsafeInput, match=r"EmbeddingBag\(mode='max'.* with offsets has no per-sample rule"):
+        model(torch.randint(0, 12, (4, 5)), torch.tensor([1, 2, 3, 4]), torch.rand(4, 5)).sum().backward()
+
+
 class Tied(nn.Module):
     """An input embedding and an output layer sharing one weight (as GPT-2's wte / lm_head)."""
 

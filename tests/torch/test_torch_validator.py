@@ -144,3 +144,46 @@ def test_the_clipper_alone_refuses_a_frozen_batchnorm():
     with pytest.raises(UnsupportedModule, match=r"1 \(BatchNorm1d\)"):
         PerSampleClipper(model, max_grad_norm=1.0)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+class Recurrent(nn.Module):
+    def __init__(self, rnn):
+        super().__init__()
+        self.rnn = rnn
+        self.fc = nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.fc(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize(
+    ("layer", "message"),
+    [
+        (nn.LSTM(4, 5, batch_first=True), r"rnn \(LSTM\): .*; use opacus\.layers\.DPLSTM"),
+        (nn.GRU(4, 5, batch_first=True), r"rnn \(GRU\): .*; use opacus\.layers\.DPGRU"),
+        (nn.RNN(4, 5, batch_first=True), r"rnn \(RNN\): .*; use opacus\.layers\.DPRNN"),
+    ],
+)
+def test_fused_rnns_refused_naming_the_replacement(layer, message):
+    """They failed inside functorch (the vmap fallback) at the first backward pass."""
+    model = Recurrent(layer)
+    with pytest.raises(UnsupportedModule, match=message):
+        PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(torch.randn(8, 3, 4)), batch_size=4),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+
+
+def test_trainable_batchnorm_refused_naming_groupnorm():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(16, 2))
+    with pytest.raises(UnsupportedModule, match=r"1 \(BatchNorm2d\): .*; use nn\.GroupNorm"):
+        PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(torch.randn(8, 3, 4, 4)), batch_size=4),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )

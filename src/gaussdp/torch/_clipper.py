@@ -182,6 +182,26 @@ def _split_self_attention(module: nn.MultiheadAttention, args: tuple, kwargs: di
     return (x, x.view_as(x), x.view_as(x), *args[3:]), kwargs
 
 
+class _Hook:
+    """A module hook of the clipper. A copy of the module (``copy.deepcopy``, pickling) gets an
+    inert one: the copy is an ordinary model, since its parameters are not the ones this clipper
+    clips and the optimizer steps (copying the clipper along would copy the optimizer too)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any] | None) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return None if self.fn is None else self.fn(*args)
+
+    def __deepcopy__(self, memo: dict) -> _Hook:
+        return _Hook(None)
+
+    def __reduce__(self) -> tuple:
+        return (_Hook, (None,))
+
+
 def _owners(root: nn.Module) -> dict[nn.Module, dict[str, nn.Parameter]]:
     """The modules whose calls give per-sample gradients, each with the parameters it owns.
 
@@ -297,8 +317,10 @@ class PerSampleClipper:
         for m, owned in _owners(root).items():
             covered.update(id(p) for p in owned.values())
             self._owned[m] = owned
-            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+            self._handles.append(m.register_forward_pre_hook(_Hook(self._pre), with_kwargs=True))
+            self._handles.append(
+                m.register_forward_hook(_Hook(self._post), with_kwargs=True, always_call=True)
+            )
         missing = [self.names[id(p)] for p in self.params if id(p) not in covered]
         if missing:  # pragma: no cover - every parameter belongs to some module
             raise InvalidParameter(f"no module owns the trainable parameters {missing}")
