@@ -362,6 +362,65 @@ def test_opacus_dp_rnns_one_owner_per_parameter(monkeypatch, name, kw):
     check(model, [x])
 
 
+class RecurrentState(nn.Module):
+    """A fused RNN with a learned initial state, read through its output, h_n and (LSTM) c_n."""
+
+    def __init__(self, cls, **kw):
+        super().__init__()
+        self.rnn = cls(4, 5, batch_first=True, **kw)
+        self.copies = self.rnn.num_layers * (2 if self.rnn.bidirectional else 1)
+        self.init = nn.Linear(4, 5)
+        self.fc = nn.Linear(5 * (2 if self.rnn.bidirectional else 1), 2)
+        self.fc_state = nn.Linear(5, 2)
+
+    def forward(self, x):
+        h0 = torch.tanh(self.init(x[:, 0])).unsqueeze(0).expand(self.copies, -1, -1).contiguous()
+        lstm = isinstance(self.rnn, nn.LSTM)
+        out, state = self.rnn(x, (h0, torch.zeros_like(h0)) if lstm else h0)
+        y = self.fc(out[:, 1:].mean(1)) + self.fc_state(state[0].sum(0) if lstm else state.sum(0))
+        return y + self.fc_state(state[1][-1]) if lstm else y
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+@pytest.mark.parametrize(
+    "kw", [{}, {"num_layers": 2, "bidirectional": True}, {"num_layers": 2, "bias": False}]
+)
+def test_fused_rnns_replayed_per_sample(monkeypatch, cls, kw):
+    """nn.LSTM/GRU/RNN as they are: the recurrence is replayed unrolled to get each step's
+    pre-activation gradients (they failed inside functorch before)."""
+    from gaussdp.torch import _clipper
+
+    def no_vmap(*args):
+        raise AssertionError("vmap fallback used")
+
+    monkeypatch.setattr(_clipper, "vmap_parts", no_vmap)
+    torch.manual_seed(0)
+    if cls is nn.RNN and "bias" in kw:
+        kw = {**kw, "nonlinearity": "relu"}
+    check(RecurrentState(cls, **kw), [torch.randn(6, 7, 4)])
+
+
+def test_fused_rnn_with_a_frozen_weight():
+    torch.manual_seed(0)
+    model = RecurrentState(nn.LSTM, num_layers=2)
+    model.rnn.weight_ih_l0.requires_grad_(False)
+    model.rnn.bias_hh_l1.requires_grad_(False)
+    check(model, [torch.randn(5, 6, 4)])
+
+
+def test_fused_rnn_configurations_without_a_rule_fail_closed():
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    rnn = nn.GRU(4, 5, batch_first=True)
+    PerSampleClipper(rnn, max_grad_norm=1.0)
+    packed = pack_padded_sequence(torch.randn(3, 6, 4), torch.tensor([6, 4, 2]), batch_first=True)
+    with pytest.raises(UnsafeInput, match="PackedSequence"):
+        rnn(packed)[0].data.sum().backward()
+    lstm = nn.LSTM(4, 5, num_layers=2, dropout=0.5, batch_first=True)
+    with pytest.raises(InvalidParameter, match=r"dropout=0\.5 between layers"):
+        PerSampleClipper(lstm, max_grad_norm=1.0)
+
+
 class AliasUsedByParent(nn.Module):
     """Holds its child's weight under its own name too, and uses it outside the child."""
 

@@ -129,21 +129,21 @@ def test_fix_refuses_what_it_cannot_replace():
 
 
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
-def test_fix_replaces_recurrent_layers_by_opacus_layers_with_the_same_weights(cls):
+@pytest.mark.parametrize(
+    "kw", [{"batch_first": False}, {"batch_first": True, "num_layers": 2, "dropout": 0.5}]
+)
+def test_fix_replaces_listed_recurrent_layers_by_opacus_layers_with_the_same_weights(cls, kw):
     pytest.importorskip("opacus")
     torch.manual_seed(0)
-    rnn = cls(4, 5, num_layers=2, batch_first=True, bidirectional=True)
+    rnn = cls(4, 5, bidirectional=True, **kw)
+    assert len(ModuleValidator.validate(rnn)) == 1
     fixed = ModuleValidator.fix(rnn)
-    assert type(fixed).__name__ == "DP" + cls.__name__
+    assert type(fixed).__name__ == "DP" + cls.__name__ and ModuleValidator.validate(fixed) == []
     x = torch.randn(3, 7, 4)
+    rnn.eval(), fixed.eval()
     torch.testing.assert_close(fixed(x)[0], rnn(x)[0], rtol=1e-5, atol=1e-6)
-
-
-def test_the_clipper_alone_refuses_a_frozen_batchnorm():
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4).requires_grad_(False))
-    with pytest.raises(UnsupportedModule, match=r"1 \(BatchNorm1d\)"):
-        PerSampleClipper(model, max_grad_norm=1.0)
-    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    with pytest.raises(InvalidParameter, match="proj_size=2: DPLSTM has no projection"):
+        ModuleValidator.fix(nn.LSTM(4, 5, proj_size=2, batch_first=True))
 
 
 class Recurrent(nn.Module):
@@ -159,12 +159,22 @@ class Recurrent(nn.Module):
 @pytest.mark.parametrize(
     ("layer", "message"),
     [
-        (nn.LSTM(4, 5, batch_first=True), r"rnn \(LSTM\): .*; use opacus\.layers\.DPLSTM"),
-        (nn.GRU(4, 5, batch_first=True), r"rnn \(GRU\): .*; use opacus\.layers\.DPGRU"),
-        (nn.RNN(4, 5, batch_first=True), r"rnn \(RNN\): .*; use opacus\.layers\.DPRNN"),
+        (
+            nn.LSTM(4, 5),
+            r"rnn \(LSTM\): batch_first=False .*; use batch_first=True, or opacus\.layers\.DPLSTM",
+        ),
+        (
+            nn.GRU(4, 5, 2, batch_first=True, dropout=0.1),
+            r"rnn \(GRU\): dropout=0\.1 .*; use dropout=0, or opacus\.layers\.DPGRU",
+        ),
+        (nn.LSTM(4, 6, batch_first=True, proj_size=5), r"rnn \(LSTM\): proj_size=5 .*; use proj_size=0"),
+        (
+            type("MyRNN", (nn.RNN,), {})(4, 5, batch_first=True),
+            r"rnn \(MyRNN\): a subclass .*; use opacus\.layers\.DPRNN",
+        ),
     ],
 )
-def test_fused_rnns_refused_naming_the_replacement(layer, message):
+def test_fused_rnns_the_replay_cannot_follow_are_refused_naming_the_replacement(layer, message):
     """They failed inside functorch (the vmap fallback) at the first backward pass."""
     model = Recurrent(layer)
     with pytest.raises(UnsupportedModule, match=message):
@@ -187,3 +197,10 @@ def test_trainable_batchnorm_refused_naming_groupnorm():
             noise_multiplier=1.0,
             max_grad_norm=1.0,
         )
+
+
+def test_the_clipper_alone_refuses_a_frozen_batchnorm():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4).requires_grad_(False))
+    with pytest.raises(UnsupportedModule, match=r"1 \(BatchNorm1d\)"):
+        PerSampleClipper(model, max_grad_norm=1.0)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

@@ -590,6 +590,10 @@ def rule_for(module: nn.Module) -> Rule | None:
         if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
             return None
         return _embedding
+    if type(module) in (nn.LSTM, nn.GRU, nn.RNN):
+        from gaussdp.torch._rnn import rnn_parts
+
+        return rnn_parts
     if isinstance(module, nn.EmbeddingBag):
         if module.mode == "max" or module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
             return None

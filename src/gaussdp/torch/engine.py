@@ -133,7 +133,8 @@ class PrivacyEngine:
         Raises:
             UnsupportedModule: ``module`` holds a submodule that mixes the samples of a batch or
                 keeps unnoised statistics of the data (any ``BatchNorm``, trainable or not), or a
-                fused RNN; the message names each by its path and replacement
+                fused RNN configured so that its recurrence cannot be replayed per sample; the
+                message names each by its path and replacement
                 (:class:`gaussdp.torch.ModuleValidator`).
         """
         unsupported = sorted(set(_opacus_only) - {"grad_sample_mode"})

@@ -14,13 +14,15 @@ their parameters (a frozen ``BatchNorm`` mixes samples as much as a trainable on
   averages over every sample seen, saved with the model and used in eval mode; an
   ``InstanceNorm`` forward in train mode is per sample, its buffers are not.
 
-Recurrent layers with a fused kernel (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) are listed too: their
-per-sample gradients cannot be formed, and the replacement is a layer made of linear maps.
+Fused recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) are trained as they are (their
+recurrence is replayed per sample, :mod:`gaussdp.torch._rnn`), except in configurations the replay
+cannot follow (``batch_first=False``, ``proj_size``, dropout between layers, subclasses): those are
+listed, with Opacus's ``DPLSTM``/``DPGRU``/``DPRNN`` (made of linear maps) as the replacement.
 
 :meth:`ModuleValidator.fix` returns a copy of the model with each refused module replaced: a
 ``BatchNorm`` by a ``GroupNorm`` over the same channels, an ``InstanceNorm`` by the same layer
-without running statistics, and (where Opacus is installed) a recurrent layer by Opacus's
-``DPLSTM``/``DPGRU``/``DPRNN`` with the same weights.
+without running statistics, and (where Opacus is installed) a listed recurrent layer by Opacus's
+layer with the same weights.
 
 References:
     Ioffe & Szegedy 2015, "Batch normalization" (batch statistics in train mode).
@@ -39,6 +41,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 from gaussdp.errors import InvalidParameter
+from gaussdp.torch._rnn import rnn_unsupported
 
 __all__ = ["ModuleProblem", "ModuleValidator", "UnsupportedModule"]
 
@@ -69,7 +72,9 @@ class UnsupportedModule(InvalidParameter):
         )
 
 
-_RNN_REPLACEMENT = {nn.LSTM: "DPLSTM", nn.GRU: "DPGRU", nn.RNN: "DPRNN"}
+def _dp_rnn(m: nn.RNNBase) -> str:
+    """The name of Opacus's layer for ``m``'s recurrence: DPLSTM, DPGRU or DPRNN."""
+    return "DP" + m.mode.split("_")[0]
 
 
 def _problem(path: str, module: nn.Module) -> ModuleProblem | None:
@@ -91,13 +96,13 @@ def _problem(path: str, module: nn.Module) -> ModuleProblem | None:
             "training sample, saved with the model and used in eval mode",
             f"{kind}(..., track_running_stats=False)",
         )
-    if type(module) in _RNN_REPLACEMENT:
-        return ModuleProblem(
-            path,
-            kind,
-            "its fused recurrent kernel gives no per-sample gradients",
-            f"opacus.layers.{_RNN_REPLACEMENT[type(module)]} (the same weights, made of linear maps)",
-        )
+    if isinstance(module, nn.RNNBase):
+        dp = f"opacus.layers.{_dp_rnn(module)}"
+        if type(module) not in (nn.LSTM, nn.GRU, nn.RNN):
+            return ModuleProblem(path, kind, "a subclass of a fused RNN has no per-sample rule", dp)
+        why = rnn_unsupported(module)
+        if why is not None:
+            return ModuleProblem(path, kind, why[0], f"{why[1]}, or {dp} (ModuleValidator.fix)")
     return None
 
 
@@ -143,12 +148,13 @@ class ModuleValidator:
           ``affine`` and the affine parameters (values and ``requires_grad``) are kept.
         - ``InstanceNorm`` with ``track_running_stats=True``: the same layer without running
           statistics (it then normalises with each sample's own statistics in eval mode too).
-        - ``nn.LSTM``/``GRU``/``RNN``: Opacus's ``DPLSTM``/``DPGRU``/``DPRNN`` with the same weights
-          (Opacus must be installed: ``pip install opacus``).
+        - a listed ``nn.LSTM``/``GRU``/``RNN`` (``batch_first=False`` or dropout between layers):
+          Opacus's ``DPLSTM``/``DPGRU``/``DPRNN`` with the same weights and options (Opacus must be
+          installed: ``pip install opacus``).
 
         Raises:
             InvalidParameter: ``max_groups < 1``; a lazy ``BatchNorm`` not yet initialised (run one
-                forward first); an RNN option the replacement lacks.
+                forward first); an RNN subclass or ``proj_size`` (no replacement).
             ImportError: a recurrent layer to replace and Opacus not installed.
         """
         if isinstance(max_groups, bool) or not isinstance(max_groups, int) or max_groups < 1:
@@ -202,16 +208,20 @@ def _replacement(name: str, m: nn.Module, max_groups: int) -> nn.Module:
 
 
 def _rnn_replacement(where: str, m: nn.Module) -> nn.Module:
+    assert isinstance(m, nn.RNNBase)
+    if type(m) not in (nn.LSTM, nn.GRU, nn.RNN):
+        raise InvalidParameter(
+            f"{where} ({type(m).__name__}) is a subclass of a fused RNN: replace it by hand"
+        )
+    if m.proj_size:
+        raise InvalidParameter(f"{where} (LSTM) has proj_size={m.proj_size}: DPLSTM has no projection")
     if importlib.util.find_spec("opacus") is None:
         raise ImportError(
-            f"{where} ({type(m).__name__}) is replaced by opacus.layers."
-            f"{_RNN_REPLACEMENT[type(m)]}, and opacus is not installed (pip install opacus)"
+            f"{where} ({type(m).__name__}) is replaced by opacus.layers.{_dp_rnn(m)}, and opacus is "
+            "not installed (pip install opacus)"
         )
     from opacus import layers
 
-    assert isinstance(m, nn.RNNBase)
-    if m.proj_size:
-        raise InvalidParameter(f"{where} (LSTM) has proj_size={m.proj_size}: DPLSTM has no projection")
     kw = {
         "num_layers": m.num_layers,
         "bias": m.bias,
@@ -219,9 +229,9 @@ def _rnn_replacement(where: str, m: nn.Module) -> nn.Module:
         "dropout": m.dropout,
         "bidirectional": m.bidirectional,
     }
-    if isinstance(m, nn.RNN) and type(m) is nn.RNN:
+    if m.mode.startswith("RNN_"):
         kw["nonlinearity"] = m.nonlinearity
-    new = getattr(layers, _RNN_REPLACEMENT[type(m)])(m.input_size, m.hidden_size, **kw)
+    new = getattr(layers, _dp_rnn(m))(m.input_size, m.hidden_size, **kw)
     new.load_state_dict(m.state_dict())
     p = next(m.parameters())
     new.to(device=p.device, dtype=p.dtype)
