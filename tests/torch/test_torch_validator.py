@@ -204,3 +204,11 @@ def test_the_clipper_alone_refuses_a_frozen_batchnorm():
     with pytest.raises(UnsupportedModule, match=r"1 \(BatchNorm1d\)"):
         PerSampleClipper(model, max_grad_norm=1.0)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_frozen_fused_rnn_in_any_configuration_is_accepted():
+    """Only the per-sample gradients of its own weights need the replay; frozen, it is per sample."""
+    rnn = nn.LSTM(4, 5, num_layers=2, dropout=0.2)  # batch_first=False and dropout
+    assert len(ModuleValidator.validate(rnn)) == 1
+    rnn.requires_grad_(False)
+    assert ModuleValidator.validate(nn.Sequential(rnn)) == []

@@ -226,10 +226,12 @@ def _owners(root: nn.Module) -> dict[nn.Module, dict[str, nn.Parameter]]:
         for p in owned.values():
             holders.setdefault(id(p), []).append(m)
     drop: dict[nn.Module, set[int]] = {}
+    below: dict[nn.Module, set[int]] = {}  # descendants, only of modules sharing a parameter
     for pid, ms in holders.items():
         for m in ms if len(ms) > 1 else ():
-            below = {id(s) for s in m.modules() if s is not m}
-            if any(id(other) in below for other in ms if other is not m):
+            if m not in below:
+                below[m] = {id(s) for s in m.modules() if s is not m}
+            if any(id(other) in below[m] for other in ms if other is not m):
                 drop.setdefault(m, set()).add(pid)
     for m, pids in drop.items():
         found[m] = {n: p for n, p in found[m].items() if id(p) not in pids}

@@ -17,7 +17,8 @@ their parameters (a frozen ``BatchNorm`` mixes samples as much as a trainable on
 Fused recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) are trained as they are (their
 recurrence is replayed per sample, :mod:`gaussdp.torch._rnn`), except in configurations the replay
 cannot follow (``batch_first=False``, ``proj_size``, dropout between layers, subclasses): those are
-listed, with Opacus's ``DPLSTM``/``DPGRU``/``DPRNN`` (made of linear maps) as the replacement.
+listed where they have trainable parameters, with Opacus's ``DPLSTM``/``DPGRU``/``DPRNN`` (made
+of linear maps) as the replacement.
 
 :meth:`ModuleValidator.fix` returns a copy of the model with each refused module replaced: a
 ``BatchNorm`` by a ``GroupNorm`` over the same channels, an ``InstanceNorm`` by the same layer
@@ -96,7 +97,8 @@ def _problem(path: str, module: nn.Module) -> ModuleProblem | None:
             "training sample, saved with the model and used in eval mode",
             f"{kind}(..., track_running_stats=False)",
         )
-    if isinstance(module, nn.RNNBase):
+    if isinstance(module, nn.RNNBase) and any(p.requires_grad for p in module.parameters()):
+        # a frozen one needs no per-sample gradient: any configuration is per sample
         dp = f"opacus.layers.{_dp_rnn(module)}"
         if type(module) not in (nn.LSTM, nn.GRU, nn.RNN):
             return ModuleProblem(path, kind, "a subclass of a fused RNN has no per-sample rule", dp)
