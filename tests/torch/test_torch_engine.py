@@ -631,3 +631,17 @@ def test_deepcopy_and_pickle_of_a_private_model_give_an_ordinary_model():
     assert opt.clipper.samples == len(x)
     opt.step()
     assert engine.steps == 2
+
+
+def test_empty_loader_refused_without_poisson_sampling():
+    model = nn.Linear(6, 3)
+    loader = DataLoader(_data(4), batch_size=8, drop_last=True)  # no batch at all
+    with pytest.raises(InvalidParameter, match="data_loader is empty"), pytest.warns(PrivacyWarning):
+        PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+        )

@@ -297,6 +297,28 @@ def test_embedding_bag_with_offsets(kw):
     check(Bags(**kw), [ids, lengths, torch.rand(6, 7)])
 
 
+class BagsThenPositions(Bags):
+    """An EmbeddingBag first (1-D ids with offsets), then position ids of shape (1, T) broadcast
+    against the batch: the batch size is the number of bags, not of ids."""
+
+    def __init__(self):
+        super().__init__(mode="sum")
+        self.pos = nn.Embedding(4, 5)
+
+    def forward(self, ids, lengths, weights):
+        h = super().forward(ids, lengths, weights)
+        p = self.pos(torch.arange(4).unsqueeze(0))  # (1, 4, 5)
+        return h + self.fc(p.mean(1))
+
+
+def test_embedding_bag_first_then_broadcast_positions():
+    torch.manual_seed(0)
+    check(
+        BagsThenPositions(),
+        [torch.randint(0, 12, (6, 7)), torch.tensor([3, 7, 1, 2, 4, 7]), torch.rand(6, 7)],
+    )
+
+
 def test_embedding_bag_without_a_rule_refused_with_offsets():
     model = Bags(mode="max")
     PerSampleClipper(model, max_grad_norm=1.0)

@@ -408,7 +408,9 @@ class PerSampleClipper:
                 args[0].register_hook(link.keep)  # the alias: this layer's contribution alone
                 pending[2].register_hook(link.compare)  # the ReLU output: every consumer's total
         if not self._calls:  # the first call of a forward pass sets its batch size
-            first = next((t for t in _flatten(args)[0] if isinstance(t, torch.Tensor)), None)
+            # (an EmbeddingBag's 1-D input holds every bag's ids: its output has one row per bag)
+            source = flat if isinstance(module, nn.EmbeddingBag) else _flatten(args)[0]
+            first = next((t for t in source if isinstance(t, torch.Tensor)), None)
             self._batch = int(first.shape[0]) if first is not None and first.dim() else None
         self._calls.append(call)
         return _unflatten(flat, spec) if changed else None

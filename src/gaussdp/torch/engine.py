@@ -180,6 +180,8 @@ class PrivacyEngine:
                 PrivacyWarning,
                 stacklevel=2,
             )
+            if len(data_loader) == 0:
+                raise InvalidParameter("data_loader is empty")
             if data_loader.batch_size is None:
                 raise InvalidParameter(
                     "poisson_sampling=False needs a data_loader with a fixed batch_size (it has a "
