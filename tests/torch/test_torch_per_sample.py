@@ -455,6 +455,17 @@ class AliasUsedByParent(nn.Module):
         return self.lin(x) + x @ self.alias
 
 
+def test_opacus_dp_rnn_on_a_packed_sequence_fails_closed():
+    layers = pytest.importorskip("opacus.layers")
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    rnn = layers.DPLSTM(4, 5, batch_first=True)
+    PerSampleClipper(rnn, max_grad_norm=1.0)
+    packed = pack_padded_sequence(torch.randn(3, 6, 4), torch.tensor([6, 4, 2]), batch_first=True)
+    with pytest.raises(UnsafeInput, match=r"different batch sizes \[1, 2, 3\].*PackedSequence"):
+        rnn(packed)[0].data.sum().backward()
+
+
 def test_parent_using_its_childs_parameter_fails_closed():
     model = AliasUsedByParent()
     PerSampleClipper(model, max_grad_norm=1.0)

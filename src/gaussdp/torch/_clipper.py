@@ -580,7 +580,8 @@ class PerSampleClipper:
         if len(sizes) > 1:
             raise UnsafeInput(
                 f"layers saw different batch sizes {sorted(sizes)} in one backward pass; per-sample "
-                "clipping needs the batch in dimension 0 of every layer input (batch_first=True)"
+                "clipping needs the batch in dimension 0 of every layer input (batch_first=True; "
+                "a PackedSequence shrinks the batch step by step: pad and mask instead)"
             )
         b = sizes.pop() if sizes else 0
         out: dict[nn.Parameter, tuple[Part | None, torch.Tensor | None]] = {}
