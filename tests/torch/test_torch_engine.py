@@ -512,3 +512,136 @@ def test_scheduler_and_state_dict_see_the_users_optimizer():
     engine.detach()  # hooks removed: an ordinary model again
     model(torch.randn(2, 6)).sum().backward()
     assert model[0].weight.grad is not None
+
+
+def _batchnorm_model(kind):
+    torch.manual_seed(0)
+    if kind == "frozen":  # no trainable parameter of its own: no hook ever saw it
+        bn = nn.BatchNorm1d(8)
+        bn.requires_grad_(False)
+    elif kind == "affine_false":
+        bn = nn.BatchNorm1d(8, affine=False)
+    else:  # batch statistics in eval mode too
+        bn = nn.BatchNorm1d(8, track_running_stats=False)
+    return nn.Sequential(nn.Linear(6, 8), bn, nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("kind", ["frozen", "affine_false", "no_running_stats"])
+def test_batchnorm_without_trainable_parameters_is_refused(kind):
+    """Privacy bug 1 of issue 16: a BatchNorm that owns no trainable parameter mixes the samples of a
+    batch (removing one record moves every other record's output, so clipping bounds nothing) and
+    was accepted silently, since only modules owning trainable parameters were looked at."""
+    model = _batchnorm_model(kind)
+    x = torch.randn(8, 6)
+    with torch.no_grad():
+        assert (model(x)[1:] - model(x[1:])).abs().max() > 1e-3  # sample 0 moved the others' outputs
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(_data(n=32), batch_size=8)
+    with pytest.raises(InvalidParameter, match=r"(?s)\n  1 \(BatchNorm1d\): .*; use nn\.GroupNorm") as err:
+        PrivacyEngine().make_private(
+            module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0
+        )
+    assert [(p.path, p.kind) for p in err.value.problems] == [("1", "BatchNorm1d")]
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_accumulated_batches_without_poisson_sampling_refused():
+    """Privacy bug 2 of issue 16: with poisson_sampling=False, k batches accumulated before one step
+    were charged as one batch (sample rate 1/len(loader) instead of k/len(loader)) and averaged over
+    one batch (a gradient k times the mean). A step may use one batch, split or not, as in Poisson
+    mode; the charge is the accountant's for one batch, and a refused step charges nothing."""
+    sigma, n, batch, k = 1.0, 128, 16, 4
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    engine = PrivacyEngine()
+    with pytest.warns(PrivacyWarning, match="poisson_sampling=False"):
+        _, opt, loader = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_data(n), batch_size=batch, shuffle=True),
+            noise_multiplier=sigma,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+        )
+    q = 1 / len(loader)
+    it = iter(loader)
+    x, y = next(it)
+    for xb, yb in split_batch((x, y), 5):  # one batch in micro-batches: one batch's charge
+        nn.functional.cross_entropy(model(xb), yb).backward()
+    opt.step()
+    one = accounting.accountant("pld").compose(accounting.SubsampledGaussianEvent(sigma, q))
+    assert engine.get_epsilon(1e-5) == pytest.approx(one.epsilon(1e-5), rel=1e-9)
+    for _ in range(k):  # gradient accumulation over k batches
+        x, y = next(it)
+        nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(
+        UnsafeInput, match=r"64 samples were clipped since the last step, more than one batch"
+    ):
+        opt.step()
+    assert engine.steps == 1 and engine.get_epsilon(1e-5) == pytest.approx(one.epsilon(1e-5), rel=1e-9)
+    # what the k batches cost (sample rate k q) is far above what one batch's charge would have said
+    union = accounting.accountant("pld").compose(accounting.SubsampledGaussianEvent(sigma, k * q))
+    assert union.epsilon(1e-5) > 1.5 * one.epsilon(1e-5)
+    opt.zero_grad()
+    x, y = next(it)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()  # after zero_grad the next single batch is a step again
+    assert engine.steps == 2
+
+
+def test_poisson_sampling_false_needs_a_batch_size():
+    model = nn.Linear(6, 3)
+    loader = DataLoader(_data(32), batch_sampler=[[0, 1], [2, 3, 4]])
+    with pytest.raises(InvalidParameter, match="fixed batch_size"), pytest.warns(PrivacyWarning):
+        PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+        )
+
+
+def test_deepcopy_and_pickle_of_a_private_model_give_an_ordinary_model():
+    """copy.deepcopy(model) after make_private crashed (the hooks dragged the clipper and the
+    optimizer along). A copy is an ordinary model: its parameters are not the ones clipped and
+    stepped; the original stays private."""
+    import copy
+    import io
+
+    engine, model, opt, loader = _setup()
+    batches = (b for b in loader if len(b[0]))
+    x, y = next(batches)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    twin = copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for other in (twin, loaded):
+        for p, q in zip(model.parameters(), other.parameters(), strict=True):
+            assert torch.equal(p, q) and p is not q
+        nn.functional.cross_entropy(other(x), y).backward()  # plain gradients, no clipper involved
+        assert all(p.grad is not None for p in other.parameters())
+    assert all(p.grad is None for p in model.parameters())
+    x, y = next(batches)
+    nn.functional.cross_entropy(model(x), y).backward()  # the original is still clipped per sample
+    assert opt.clipper.samples == len(x)
+    opt.step()
+    assert engine.steps == 2
+
+
+def test_empty_loader_refused_without_poisson_sampling():
+    model = nn.Linear(6, 3)
+    loader = DataLoader(_data(4), batch_size=8, drop_last=True)  # no batch at all
+    with pytest.raises(InvalidParameter, match="data_loader is empty"), pytest.warns(PrivacyWarning):
+        PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+        )

@@ -250,6 +250,82 @@ def test_embedding_padding_idx_and_expanded_positions():
     assert float(clipper.summed[model.tok.weight][1].abs().max()) == 0.0
 
 
+class Bags(nn.Module):
+    """Bags of ``lengths[i]`` ids from row ``i`` of ``ids``, given to an ``nn.EmbeddingBag`` as one
+    flat input with ``offsets`` (or, with ``flat=False``, as the 2-D rows)."""
+
+    def __init__(self, flat=True, weighted=False, **kw):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(12, 5, **kw)
+        self.fc = nn.Linear(5, 2)
+        self.flat, self.weighted = flat, weighted
+
+    def forward(self, ids, lengths, weights):
+        if not self.flat:
+            return self.fc(self.bag(ids, per_sample_weights=weights if self.weighted else None))
+        n = lengths.long()
+        keep = torch.arange(ids.shape[1]).unsqueeze(0) < n.unsqueeze(1)
+        offsets = torch.cat((torch.zeros(1, dtype=torch.long), n.cumsum(0)))
+        if not self.bag.include_last_offset:
+            offsets = offsets[:-1]
+        psw = weights[keep] if self.weighted else None
+        return self.fc(self.bag(ids[keep], offsets, per_sample_weights=psw))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"mode": "sum"},
+        {"mode": "mean"},
+        {"mode": "mean", "padding_idx": 3},
+        {"mode": "sum", "weighted": True, "padding_idx": 0},
+        {"mode": "sum", "include_last_offset": True},
+        {"mode": "mean", "flat": False},
+        {"mode": "sum", "flat": False, "weighted": True},
+        pytest.param(  # the vmap fallback (functorch has no batching rule for embedding_bag)
+            {"mode": "max", "flat": False},
+            marks=pytest.mark.filterwarnings("ignore:There is a performance drop"),
+        ),
+    ],
+)
+def test_embedding_bag_with_offsets(kw):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 12, (6, 7))
+    ids[0, :3] = 3  # a repeated row within a bag; with padding_idx=3 an empty bag
+    ids[1, :] = 5
+    lengths = torch.tensor([3, 7, 1, 0, 4, 7])  # an empty bag too
+    check(Bags(**kw), [ids, lengths, torch.rand(6, 7)])
+
+
+class BagsThenPositions(Bags):
+    """An EmbeddingBag first (1-D ids with offsets), then position ids of shape (1, T) broadcast
+    against the batch: the batch size is the number of bags, not of ids."""
+
+    def __init__(self):
+        super().__init__(mode="sum")
+        self.pos = nn.Embedding(4, 5)
+
+    def forward(self, ids, lengths, weights):
+        h = super().forward(ids, lengths, weights)
+        p = self.pos(torch.arange(4).unsqueeze(0))  # (1, 4, 5)
+        return h + self.fc(p.mean(1))
+
+
+def test_embedding_bag_first_then_broadcast_positions():
+    torch.manual_seed(0)
+    check(
+        BagsThenPositions(),
+        [torch.randint(0, 12, (6, 7)), torch.tensor([3, 7, 1, 2, 4, 7]), torch.rand(6, 7)],
+    )
+
+
+def test_embedding_bag_without_a_rule_refused_with_offsets():
+    model = Bags(mode="max")
+    PerSampleClipper(model, max_grad_norm=1.0)
+    with pytest.raises(UnsafeInput, match=r"EmbeddingBag\(mode='max'.* with offsets has no per-sample rule"):
+        model(torch.randint(0, 12, (4, 5)), torch.tensor([1, 2, 3, 4]), torch.rand(4, 5)).sum().backward()
+
+
 class Tied(nn.Module):
     """An input embedding and an output layer sharing one weight (as GPT-2's wte / lm_head)."""
 
@@ -268,6 +344,133 @@ class Tied(nn.Module):
 def test_tied_and_reused_weights():
     torch.manual_seed(0)
     check(Tied(), [torch.randint(0, 11, (5, 4))])
+
+
+class RecurrentHead(nn.Module):
+    def __init__(self, rnn, hidden):
+        super().__init__()
+        self.rnn = rnn
+        self.fc = nn.Linear(hidden, 2)
+
+    def forward(self, x):
+        return self.fc(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("name", ["DPLSTM", "DPGRU", "DPRNN"])
+@pytest.mark.parametrize("kw", [{}, {"num_layers": 2, "bidirectional": True}])
+def test_opacus_dp_rnns_one_owner_per_parameter(monkeypatch, name, kw):
+    """Opacus's DP RNNs hold every weight of their inner RNNLinear maps under their own names too:
+    the inner map, which uses it, is its one owner (two owners doubled every per-sample norm) and
+    its linear rule is used, the layer is not recomputed per sample."""
+    layers = pytest.importorskip("opacus.layers")
+    from gaussdp.torch import _clipper, _rules
+
+    torch.manual_seed(0)
+    rnn = getattr(layers, name)(4, 5, batch_first=True, **kw)
+    model = RecurrentHead(rnn, 10 if kw else 5)
+    x = torch.randn(6, 7, 4)
+    check(model, [x])
+    owners = _clipper._owners(model)
+    assert rnn not in owners
+    owned = [id(p) for o in owners.values() for p in o.values()]
+    assert sorted(owned) == sorted(id(p) for p in model.parameters())  # each exactly once
+    assert all(type(m).__name__ in ("RNNLinear", "Linear") for m in owners)
+
+    def no_vmap(*args):
+        raise AssertionError("vmap fallback used")
+
+    monkeypatch.setattr(_clipper, "vmap_parts", no_vmap)
+    monkeypatch.setattr(_rules, "vmap_parts", no_vmap)
+    check(model, [x])
+
+
+class RecurrentState(nn.Module):
+    """A fused RNN with a learned initial state, read through its output, h_n and (LSTM) c_n."""
+
+    def __init__(self, cls, **kw):
+        super().__init__()
+        self.rnn = cls(4, 5, batch_first=True, **kw)
+        self.copies = self.rnn.num_layers * (2 if self.rnn.bidirectional else 1)
+        self.init = nn.Linear(4, 5)
+        self.fc = nn.Linear(5 * (2 if self.rnn.bidirectional else 1), 2)
+        self.fc_state = nn.Linear(5, 2)
+
+    def forward(self, x):
+        h0 = torch.tanh(self.init(x[:, 0])).unsqueeze(0).expand(self.copies, -1, -1).contiguous()
+        lstm = isinstance(self.rnn, nn.LSTM)
+        out, state = self.rnn(x, (h0, torch.zeros_like(h0)) if lstm else h0)
+        y = self.fc(out[:, 1:].mean(1)) + self.fc_state(state[0].sum(0) if lstm else state.sum(0))
+        return y + self.fc_state(state[1][-1]) if lstm else y
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+@pytest.mark.parametrize(
+    "kw", [{}, {"num_layers": 2, "bidirectional": True}, {"num_layers": 2, "bias": False}]
+)
+def test_fused_rnns_replayed_per_sample(monkeypatch, cls, kw):
+    """nn.LSTM/GRU/RNN as they are: the recurrence is replayed unrolled to get each step's
+    pre-activation gradients (they failed inside functorch before)."""
+    from gaussdp.torch import _clipper
+
+    def no_vmap(*args):
+        raise AssertionError("vmap fallback used")
+
+    monkeypatch.setattr(_clipper, "vmap_parts", no_vmap)
+    torch.manual_seed(0)
+    if cls is nn.RNN and "bias" in kw:
+        kw = {**kw, "nonlinearity": "relu"}
+    check(RecurrentState(cls, **kw), [torch.randn(6, 7, 4)])
+
+
+def test_fused_rnn_with_a_frozen_weight():
+    torch.manual_seed(0)
+    model = RecurrentState(nn.LSTM, num_layers=2)
+    model.rnn.weight_ih_l0.requires_grad_(False)
+    model.rnn.bias_hh_l1.requires_grad_(False)
+    check(model, [torch.randn(5, 6, 4)])
+
+
+def test_fused_rnn_configurations_without_a_rule_fail_closed():
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    rnn = nn.GRU(4, 5, batch_first=True)
+    PerSampleClipper(rnn, max_grad_norm=1.0)
+    packed = pack_padded_sequence(torch.randn(3, 6, 4), torch.tensor([6, 4, 2]), batch_first=True)
+    with pytest.raises(UnsafeInput, match="PackedSequence"):
+        rnn(packed)[0].data.sum().backward()
+    lstm = nn.LSTM(4, 5, num_layers=2, dropout=0.5, batch_first=True)
+    with pytest.raises(InvalidParameter, match=r"dropout=0\.5 between layers"):
+        PerSampleClipper(lstm, max_grad_norm=1.0)
+
+
+class AliasUsedByParent(nn.Module):
+    """Holds its child's weight under its own name too, and uses it outside the child."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.alias = self.lin.weight
+
+    def forward(self, x):
+        return self.lin(x) + x @ self.alias
+
+
+def test_opacus_dp_rnn_on_a_packed_sequence_fails_closed():
+    layers = pytest.importorskip("opacus.layers")
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    rnn = layers.DPLSTM(4, 5, batch_first=True)
+    PerSampleClipper(rnn, max_grad_norm=1.0)
+    packed = pack_padded_sequence(torch.randn(3, 6, 4), torch.tensor([6, 4, 2]), batch_first=True)
+    with pytest.raises(UnsafeInput, match=r"different batch sizes \[1, 2, 3\].*PackedSequence"):
+        rnn(packed)[0].data.sum().backward()
+
+
+def test_parent_using_its_childs_parameter_fails_closed():
+    model = AliasUsedByParent()
+    PerSampleClipper(model, max_grad_norm=1.0)
+    with pytest.raises(PrivacyError, match=r"\['alias'\] received gradients outside"):
+        model(torch.randn(4, 3)).sum().backward()
 
 
 def test_conv1d_conv2d():

@@ -11,12 +11,16 @@ from gaussdp.torch._clipper import PerSampleClipper
 from gaussdp.torch.data import DPDataLoader, PoissonBatchSampler, split_batch
 from gaussdp.torch.engine import PrivacyEngine
 from gaussdp.torch.optimizer import DPOptimizer
+from gaussdp.torch.validator import ModuleProblem, ModuleValidator, UnsupportedModule
 
 __all__ = [
     "DPDataLoader",
     "DPOptimizer",
+    "ModuleProblem",
+    "ModuleValidator",
     "PerSampleClipper",
     "PoissonBatchSampler",
     "PrivacyEngine",
+    "UnsupportedModule",
     "split_batch",
 ]

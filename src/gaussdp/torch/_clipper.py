@@ -44,6 +44,7 @@ from gaussdp._validate import check_choice, check_positive
 from gaussdp.errors import InvalidParameter, PrivacyError, UnsafeInput
 from gaussdp.torch._parts import DensePart, LinearPart, Part, ReluFedPart, combine, same_elements
 from gaussdp.torch._rules import mha_capture, mha_captured_parts, owned_parameters, rule_for, vmap_parts
+from gaussdp.torch.validator import ModuleValidator
 
 __all__ = ["PerSampleClipper"]
 
@@ -181,6 +182,62 @@ def _split_self_attention(module: nn.MultiheadAttention, args: tuple, kwargs: di
     return (x, x.view_as(x), x.view_as(x), *args[3:]), kwargs
 
 
+class _Hook:
+    """A module hook of the clipper. A copy of the module (``copy.deepcopy``, pickling) gets an
+    inert one: the copy is an ordinary model, since its parameters are not the ones this clipper
+    clips and the optimizer steps (copying the clipper along would copy the optimizer too)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any] | None) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return None if self.fn is None else self.fn(*args)
+
+    def __deepcopy__(self, memo: dict) -> _Hook:
+        return _Hook(None)
+
+    def __reduce__(self) -> tuple:
+        return (_Hook, (None,))
+
+
+def _owners(root: nn.Module) -> dict[nn.Module, dict[str, nn.Parameter]]:
+    """The modules whose calls give per-sample gradients, each with the parameters it owns.
+
+    A parameter is owned by the modules that hold it (see :func:`owned_parameters`), except one
+    that a descendant also holds: a layer that re-registers its submodules' parameters under its
+    own names (Opacus's ``DPLSTM`` holds every weight of its inner ``RNNLinear`` maps) does not use
+    them itself, and two owners would count every per-sample gradient twice. Unrelated holders
+    (tied weights: an embedding and an output layer) both own it; their parts are combined.
+    """
+    found: dict[nn.Module, dict[str, nn.Parameter]] = {}
+    skip: set[int] = set()
+    for _, m in root.named_modules(remove_duplicate=False):
+        if id(m) in skip or m in found:
+            continue
+        if isinstance(m, nn.MultiheadAttention):
+            skip.update(id(s) for s in m.modules() if s is not m)
+        owned = dict(owned_parameters(m))
+        if owned:
+            found[m] = owned
+    holders: dict[int, list[nn.Module]] = {}
+    for m, owned in found.items():
+        for p in owned.values():
+            holders.setdefault(id(p), []).append(m)
+    drop: dict[nn.Module, set[int]] = {}
+    below: dict[nn.Module, set[int]] = {}  # descendants, only of modules sharing a parameter
+    for pid, ms in holders.items():
+        for m in ms if len(ms) > 1 else ():
+            if m not in below:
+                below[m] = {id(s) for s in m.modules() if s is not m}
+            if any(id(other) in below[m] for other in ms if other is not m):
+                drop.setdefault(m, set()).add(pid)
+    for m, pids in drop.items():
+        found[m] = {n: p for n, p in found[m].items() if id(p) not in pids}
+    return {m: owned for m, owned in found.items() if owned}
+
+
 class PerSampleClipper:
     """Hooks on ``module`` that leave, after each backward pass, the per-sample-clipped gradient sums.
 
@@ -209,6 +266,9 @@ class PerSampleClipper:
     ) -> None:
         check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
         check_choice("clipping", clipping, ("flat", "per_layer"))
+        # modules that mix samples (BatchNorm) or keep unnoised aggregates of the data are refused
+        # whether or not they own trainable parameters: the hooks below see only those that do
+        ModuleValidator.validate(module, strict=True)
         self.module = module
         self.loss_reduction = loss_reduction
         self.clipping = clipping
@@ -256,19 +316,13 @@ class PerSampleClipper:
     # ----------------------------------------------------------------------------------- hooks
     def _register(self, root: nn.Module) -> None:
         covered: set[int] = set()
-        skip: set[int] = set()
-        for _, m in root.named_modules(remove_duplicate=False):
-            if id(m) in skip or m in self._owned:
-                continue
-            if isinstance(m, nn.MultiheadAttention):
-                skip.update(id(s) for s in m.modules() if s is not m)
-            owned = dict(owned_parameters(m))
-            if not owned:
-                continue
+        for m, owned in _owners(root).items():
             covered.update(id(p) for p in owned.values())
             self._owned[m] = owned
-            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+            self._handles.append(m.register_forward_pre_hook(_Hook(self._pre), with_kwargs=True))
+            self._handles.append(
+                m.register_forward_hook(_Hook(self._post), with_kwargs=True, always_call=True)
+            )
         missing = [self.names[id(p)] for p in self.params if id(p) not in covered]
         if missing:  # pragma: no cover - every parameter belongs to some module
             raise InvalidParameter(f"no module owns the trainable parameters {missing}")
@@ -354,7 +408,9 @@ class PerSampleClipper:
                 args[0].register_hook(link.keep)  # the alias: this layer's contribution alone
                 pending[2].register_hook(link.compare)  # the ReLU output: every consumer's total
         if not self._calls:  # the first call of a forward pass sets its batch size
-            first = next((t for t in _flatten(args)[0] if isinstance(t, torch.Tensor)), None)
+            # (an EmbeddingBag's 1-D input holds every bag's ids: its output has one row per bag)
+            source = flat if isinstance(module, nn.EmbeddingBag) else _flatten(args)[0]
+            first = next((t for t in source if isinstance(t, torch.Tensor)), None)
             self._batch = int(first.shape[0]) if first is not None and first.dim() else None
         self._calls.append(call)
         return _unflatten(flat, spec) if changed else None
@@ -524,7 +580,8 @@ class PerSampleClipper:
         if len(sizes) > 1:
             raise UnsafeInput(
                 f"layers saw different batch sizes {sorted(sizes)} in one backward pass; per-sample "
-                "clipping needs the batch in dimension 0 of every layer input (batch_first=True)"
+                "clipping needs the batch in dimension 0 of every layer input (batch_first=True; "
+                "a PackedSequence shrinks the batch step by step: pad and mask instead)"
             )
         b = sizes.pop() if sizes else 0
         out: dict[nn.Parameter, tuple[Part | None, torch.Tensor | None]] = {}

@@ -263,6 +263,17 @@ class EmbeddingPart:
             idx, sample, g = idx[keep], sample[keep], g[keep]
         self.idx, self.sample, self.g = idx, sample, _acc(g)
 
+    @classmethod
+    def from_rows(
+        cls, idx: torch.Tensor, sample: torch.Tensor, g: torch.Tensor, b: int, shape: torch.Size
+    ) -> EmbeddingPart:
+        """The part of lookups given row by row: row ``idx[j]`` read for sample ``sample[j]``, with
+        output gradient ``g[j]`` (an ``nn.EmbeddingBag``: one bag per sample, rows of any count)."""
+        out = cls.__new__(cls)
+        out.b, out.shape = b, shape
+        out.idx, out.sample, out.g = idx.reshape(-1), sample.reshape(-1), _acc(g)
+        return out
+
     @property
     def batch_size(self) -> int:
         return self.b

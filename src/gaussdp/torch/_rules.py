@@ -2,7 +2,9 @@
 
 Each rule handles the parameters a module *owns* (``recurse=False``), except
 ``nn.MultiheadAttention`` whose projection weights are read by ``F.multi_head_attention_forward``
-without calling ``out_proj``, so it owns every parameter under it. Layers without a closed-form rule
+without calling ``out_proj``, so it owns every parameter under it, and except a parameter that a
+descendant also holds (Opacus's DP RNNs re-register their inner maps' weights): the descendant owns
+it (``gaussdp.torch._clipper._owners``). Layers without a closed-form rule
 (and unusual configurations of known ones) use :func:`vmap_parts`, which recomputes the module per
 sample with ``torch.func`` and materialises that module's per-sample gradients.
 """
@@ -66,6 +68,45 @@ def _embedding(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-d
         return []
     idx = args[0]
     return [(owned["weight"], EmbeddingPart(idx, g, module.weight.shape, module.padding_idx))]
+
+
+def _embedding_bag(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
+    """``nn.EmbeddingBag`` (``mode="sum"`` or ``"mean"``), one bag per sample: bag ``i``'s gradient
+    of row ``v`` is ``g_i`` times the weights of its entries equal to ``v`` (``per_sample_weights``,
+    or one over the bag's size for the mean; ``padding_idx`` entries count for nothing). Bags come
+    as rows of a 2-D input or as ``offsets`` into a 1-D one."""
+    g = grads[0]
+    if g is None or "weight" not in owned:
+        return []
+    m: nn.EmbeddingBag = module
+    bound = dict(zip(("input", "offsets", "per_sample_weights"), args, strict=False))
+    bound.update(kwargs)
+    idx, offsets, psw = bound["input"], bound.get("offsets"), bound.get("per_sample_weights")
+    bags = g.shape[0]
+    if idx.dim() == 2:
+        sample = torch.arange(bags, device=idx.device).repeat_interleave(idx.shape[1])
+    else:
+        offsets = offsets.to(idx.device)
+        ends = (
+            offsets[1 : bags + 1]
+            if m.include_last_offset
+            else torch.cat((offsets[1:], offsets.new_tensor([idx.numel()])))
+        )
+        counts = ends - offsets[:bags]
+        sample = torch.arange(bags, device=idx.device).repeat_interleave(counts)
+        idx = idx[int(offsets[0]) : int(offsets[0]) + sample.numel()]
+        psw = None if psw is None else psw[int(offsets[0]) : int(offsets[0]) + sample.numel()]
+    idx = idx.reshape(-1)
+    rows = g.index_select(0, sample)
+    if psw is not None:
+        rows = rows * psw.reshape(-1, 1).to(rows.dtype)
+    if m.padding_idx is not None:
+        keep = idx != m.padding_idx
+        idx, sample, rows = idx[keep], sample[keep], rows[keep]
+    if m.mode == "mean":
+        size = torch.bincount(sample, minlength=bags).clamp(min=1).to(rows.dtype)
+        rows = rows / size.index_select(0, sample).unsqueeze(1)
+    return [(owned["weight"], EmbeddingPart.from_rows(idx, sample, rows, bags, m.weight.shape))]
 
 
 def _conv(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
@@ -141,6 +182,14 @@ def vmap_parts(module, args, kwargs, grads, owned, disabled):  # type: ignore[no
     out_idx = [i for i, g in enumerate(grads) if g is not None]
     if not out_idx:
         return []
+    if isinstance(module, nn.EmbeddingBag) and (kwargs.get("offsets") is not None or len(args) > 1):
+        m: nn.EmbeddingBag = module
+        raise UnsafeInput(
+            f"nn.EmbeddingBag(mode={m.mode!r}, max_norm={m.max_norm}, scale_grad_by_freq="
+            f"{m.scale_grad_by_freq}, sparse={m.sparse}) with offsets has no per-sample rule: give "
+            "one bag per row of a 2-D input, or use mode='sum' or 'mean' without max_norm, "
+            "scale_grad_by_freq or sparse gradients"
+        )
     b = grads[out_idx[0]].shape[0]
     names = list(owned)
     params = {n: owned[n].detach() for n in names}
@@ -541,6 +590,14 @@ def rule_for(module: nn.Module) -> Rule | None:
         if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
             return None
         return _embedding
+    if type(module) in (nn.LSTM, nn.GRU, nn.RNN):
+        from gaussdp.torch._rnn import rnn_parts
+
+        return rnn_parts
+    if isinstance(module, nn.EmbeddingBag):
+        if module.mode == "max" or module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+            return None
+        return _embedding_bag
     if isinstance(module, nn.Conv1d | nn.Conv2d):
         if module.groups != 1 or isinstance(module.padding, str) or module.padding_mode != "zeros":
             return None

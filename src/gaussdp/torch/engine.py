@@ -15,6 +15,7 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +37,7 @@ from gaussdp.torch._clipper import PerSampleClipper
 from gaussdp.torch._random import KeystreamNormal, keystream_normal_available, torch_generator
 from gaussdp.torch.data import DPDataLoader
 from gaussdp.torch.optimizer import DPOptimizer, _distributed
+from gaussdp.torch.validator import ModuleValidator
 
 __all__ = ["PrivacyEngine"]
 
@@ -109,7 +111,11 @@ class PrivacyEngine:
             max_grad_norm: per-sample clip bound ``C > 0`` over all trainable parameters; with
                 ``clipping="per_layer"`` also a list of one bound per trainable parameter.
             poisson_sampling: True (the accountant's assumption). False keeps the user's loader and
-                warns: the epsilon reported is then not a proven bound.
+                warns: the epsilon reported is then not a proven bound. Each step is charged and
+                averaged as one batch of the loader's ``batch_size``, so a step after more samples
+                than one batch (batches accumulated over several backward passes) is refused, as
+                two Poisson batches are; for larger steps use a larger ``batch_size`` and
+                :func:`gaussdp.torch.split_batch`.
             loss_reduction: "mean" (default) or "sum", how the loss combines the batch.
             batch_first: must be True: the batch is dimension 0 of every layer input.
             clipping: ``"flat"`` (default) or ``"per_layer"`` (as in Opacus): each parameter's
@@ -123,6 +129,13 @@ class PrivacyEngine:
 
         Returns:
             ``(module, optimizer, data_loader)``.
+
+        Raises:
+            UnsupportedModule: ``module`` holds a submodule that mixes the samples of a batch or
+                keeps unnoised statistics of the data (any ``BatchNorm``, trainable or not), or a
+                fused RNN configured so that its recurrence cannot be replayed per sample; the
+                message names each by its path and replacement
+                (:class:`gaussdp.torch.ModuleValidator`).
         """
         unsupported = sorted(set(_opacus_only) - {"grad_sample_mode"})
         if unsupported:  # never ignore an option that would change what the user expects
@@ -135,6 +148,7 @@ class PrivacyEngine:
             )
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        ModuleValidator.validate(module, strict=True)  # before anything else is made or warned
         if not batch_first:
             raise InvalidParameter("batch_first=False is not supported: put the batch in dimension 0")
         sigma = check_nonnegative("noise_multiplier", noise_multiplier)
@@ -148,6 +162,7 @@ class PrivacyEngine:
             warnings.warn("noise_multiplier=0: training is NOT private", NotPrivateWarning, stacklevel=2)
 
         rank, world = _distributed()
+        per_step: int | None = None  # without Poisson sampling: the most samples one step may use
         if poisson_sampling:
             loader: Any = DPDataLoader.from_data_loader(
                 data_loader,
@@ -165,9 +180,21 @@ class PrivacyEngine:
                 PrivacyWarning,
                 stacklevel=2,
             )
+            if len(data_loader) == 0:
+                raise InvalidParameter("data_loader is empty")
+            if data_loader.batch_size is None:
+                raise InvalidParameter(
+                    "poisson_sampling=False needs a data_loader with a fixed batch_size (it has a "
+                    "batch_sampler): each step is charged and averaged as one batch of batch_size"
+                )
             loader = data_loader
             sample_rate = 1.0 / len(data_loader)
-            expected = float(data_loader.batch_size or 1) * world
+            expected = float(data_loader.batch_size) * world
+            # more samples in one step than one batch means batches were accumulated, which
+            # this sample rate and denominator do not cover
+            per_step = data_loader.batch_size
+            with contextlib.suppress(TypeError):
+                per_step = min(per_step, len(data_loader.sampler))  # type: ignore[arg-type]
         clipper = PerSampleClipper(
             module, max_grad_norm=max_grad_norm, loss_reduction=loss_reduction, clipping=clipping
         )
@@ -181,6 +208,7 @@ class PrivacyEngine:
                 generator=self._noise_generator(noise_seed),
                 on_step=self._charge,
                 loader=loader if poisson_sampling else None,
+                max_samples_per_step=per_step,
             )
         except BaseException:
             clipper.remove()  # refused: leave the module exactly as it was given

@@ -40,6 +40,9 @@ class DPOptimizer(Optimizer):
             accountant at the multiplier actually used (``noise_multiplier`` may be changed between
             steps, as in Opacus).
         loader: the Poisson data loader, to check every served sample was clipped as one row.
+        max_samples_per_step: without a Poisson loader, the most samples one step may clip (one
+            batch of the user's loader): a step after more (batches accumulated) is refused,
+            since the accountant charges, and the denominator averages, one batch per step.
     """
 
     def __init__(
@@ -52,6 +55,7 @@ class DPOptimizer(Optimizer):
         generator: Any,
         on_step: Callable[[float], None],
         loader: Any = None,
+        max_samples_per_step: int | None = None,
         check_moved: bool = True,
     ) -> None:
         # no super().__init__: param_groups and state are the wrapped optimizer's (as in Opacus)
@@ -62,6 +66,7 @@ class DPOptimizer(Optimizer):
         self.generator = generator
         self._on_step = on_step
         self._loader = loader
+        self._max_samples = max_samples_per_step
         self._served_at_last_step = loader.samples_served if loader is not None else 0
         self._batches_at_last_step = loader.batches_served if loader is not None else 0
         self._check_moved = check_moved
@@ -162,6 +167,15 @@ class DPOptimizer(Optimizer):
 
     def _check_samples(self) -> None:
         if self._loader is None:
+            if self._max_samples is not None and self.clipper.samples > self._max_samples:
+                raise UnsafeInput(
+                    f"{self.clipper.samples} samples were clipped since the last step, more than one "
+                    f"batch of the data loader ({self._max_samples}): with poisson_sampling=False "
+                    "each step is charged as one batch (sample rate 1 / len(data_loader)) and averaged "
+                    "over its batch_size, so accumulated batches would be under-charged; nothing was "
+                    "released (call zero_grad()). For larger steps use a larger batch_size and "
+                    "gaussdp.torch.split_batch on each batch"
+                )
             return
         batches = self._loader.batches_served - self._batches_at_last_step
         if batches > 1:
