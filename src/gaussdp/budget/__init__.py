@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from gaussdp.budget._types import Budget, ChargeRecord, Receipt, Spent
 from gaussdp.budget.ledger import Ledger
-from gaussdp.budget.store import PrincipalConflict, UnknownPrincipal
+from gaussdp.budget.store import LedgerContention, PrincipalConflict, UnknownPrincipal
 from gaussdp.errors import BudgetExhausted
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "BudgetExhausted",
     "ChargeRecord",
     "Ledger",
+    "LedgerContention",
     "PrincipalConflict",
     "Receipt",
     "Spent",
