@@ -54,6 +54,7 @@ Method = Literal["analytic", "classical"]
 _MU_MIN = 1e-12
 _MU_MAX = 1e7
 _EPS_MAX = 1e8
+_NORMAL_MIN = 2.2250738585072014e-308  # sys.float_info.min: below it floats lose relative precision
 _GL_NODES, _GL_WEIGHTS = np.polynomial.legendre.leggauss(20)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _SQRT2 = math.sqrt(2.0)
@@ -115,6 +116,12 @@ def mu_for(*, sigma: float, sensitivity: float = 1.0) -> float:
     if not mu <= _MU_MAX:
         raise InvalidParameter(
             f"sensitivity / sigma must be <= {_MU_MAX:g}, got sigma={sigma!r}, sensitivity={sensitivity!r}"
+        )
+    if not mu >= _NORMAL_MIN:
+        # An underflowed ratio (0 or subnormal) has lost its precision: its epsilon would be no bound.
+        raise InvalidParameter(
+            f"sensitivity / sigma underflows (below {_NORMAL_MIN:g}), got sigma={sigma!r}, "
+            f"sensitivity={sensitivity!r}"
         )
     return mu
 
@@ -186,11 +193,18 @@ def sigma_for(
     mu = _mu_for_epsilon_delta(epsilon, delta)
     log_target = math.log(delta)
 
+    sigma = sensitivity / mu
+    if not sigma >= _NORMAL_MIN:
+        raise InvalidParameter(
+            f"sigma underflows (below {_NORMAL_MIN:g}) for epsilon={epsilon!r}, delta={delta!r}, "
+            f"sensitivity={sensitivity!r}"
+        )
+
     def holds(sigma: float) -> bool:
         return log_delta_for_mu(sensitivity / sigma, epsilon) <= log_target
 
     # The division rounds: settle on the smallest float sigma at or above it whose profile holds.
-    return _settle(holds, sensitivity / mu, toward=math.inf, what=f"sigma for epsilon={epsilon:g}")
+    return _settle(holds, sigma, toward=math.inf, what=f"sigma for epsilon={epsilon:g}")
 
 
 def classical_sigma(*, epsilon: float, delta: float, sensitivity: float = 1.0) -> float:
