@@ -34,6 +34,7 @@ import numpy as np
 from scipy import optimize, special
 
 from gaussdp._validate import check_delta, check_epsilon, check_positive, real_number
+from gaussdp._worklimit import check_work_limit
 from gaussdp.errors import InvalidParameter
 
 __all__ = [
@@ -68,6 +69,7 @@ def log_delta_for_mu(mu: float, epsilon: float) -> float:
     (``scipy.special.log_ndtr``), so that it stays accurate for delta down to 1e-300 and epsilon up
     to 1e4 and beyond, where the direct difference underflows or cancels.
     """
+    check_work_limit()  # the innermost evaluation of every Gaussian accountant: a cancellation point
     if mu <= 0.0:
         return -math.inf
     a = mu / 2.0 - epsilon / mu

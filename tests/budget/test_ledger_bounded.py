@@ -228,3 +228,24 @@ def test_rows_charged_as_one_event_are_bounded_too(ledger_url: str) -> None:
         led.charge("p", SelfComposedEvent(GaussianEvent(noise_multiplier=1e12 / 2e-6), 1 << 16))
         led.charge("p", GaussianEvent(noise_multiplier=1e12 / 1e-6))
         assert time.thread_time() - t < 1.0
+
+
+def test_box_growth_stops_early_and_stays_certified(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """With no CPU allowed for growth, the box grows by the first step only (one more of each event,
+    checked before the clock is): certified, and the decisions stay exact."""
+    from gaussdp.budget import _compose
+    from gaussdp.budget._compose import Composer, event_key
+
+    monkeypatch.setattr(_compose, "GROWTH_CPU_S", -1.0)
+    composer = Composer()
+    keys = [event_key(e) for e in MIX]
+    after = tuple(sorted(((keys[0], 3), (keys[1], 2))))
+    box = composer.box("pld", BUDGET.epsilon, BUDGET.delta, after, keys[0])
+    assert box == tuple((k, c + 1) for k, c in after)
+    monkeypatch.setattr(_compose, "GROWTH_CPU_S", 0.2)
+    grown = composer.box("pld", BUDGET.epsilon, BUDGET.delta, after, keys[1])
+    assert grown is not None and all(c >= dict(after)[k] for k, c in grown)
+    assert sum(c for _, c in grown) > sum(c for _, c in after)
+    assert composer.epsilon("pld", BUDGET.delta, grown) <= BUDGET.epsilon
+    # a history that does not fit gets no box at all
+    assert composer.box("pld", BUDGET.epsilon, BUDGET.delta, ((keys[0], 10_000),), keys[0]) is None

@@ -16,9 +16,10 @@ checked explicitly, covers it.
 
 :meth:`Composer.box` grows the box from the history ``h`` after a charge: every event's count by the
 same fraction, ``C = h + ceil(t h / |h|)`` with the largest integer ``t`` that fits (doubling, then
-bisection: at most ~64 accountant calls), so that a principal charging k distinct events in a steady
-mix recomputes about as rarely as one charging a single event. Where not even one more of every
-event fits, the box gives the charged event alone its largest count ``n*`` with the others fixed.
+bisection: at most ~64 accountant calls, and at most ``GROWTH_CPU_S`` of CPU: a smaller box is still
+certified), so that a principal charging k distinct events in a steady mix recomputes about as
+rarely as one charging a single event. Where not even one more of every event fits, the box gives
+the charged event alone its largest count ``n*`` with the others fixed.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from __future__ import annotations
 import functools
 import json
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
+from gaussdp._worklimit import check_work_limit
 from gaussdp.errors import InvalidParameter, PrivacyError
 
 __all__ = ["MAX_COUNT", "Composer", "event_dict", "event_key", "within"]
@@ -38,6 +41,9 @@ History = tuple[tuple[str, int], ...]
 # Largest count of one event the allowance search will certify; past it, charges are refused
 # (fail closed) rather than searched further.
 MAX_COUNT = 2**31
+# CPU seconds a box may spend growing beyond the history it certifies: growth only saves later work
+# (any certified box is valid), so it stops early for accountants whose every call is expensive.
+GROWTH_CPU_S = 0.2
 
 
 def event_key(event: Any) -> str:
@@ -103,12 +109,13 @@ class Composer:
 
         if not history:
             return 0.0
+        check_work_limit()
         acc = accountant(accountant_name)
         for key, count in history:
             acc.compose(self._event(key), count)
         try:
             eps = float(acc.epsilon(delta))
-        except (ArithmeticError, PrivacyError):
+        except (ArithmeticError, PrivacyError):  # (WorkLimitExceeded is neither: it propagates)
             return math.inf  # no bound we can justify: treated as over any budget (fail closed)
         return eps if not math.isnan(eps) else math.inf
 
@@ -140,27 +147,43 @@ class Composer:
 
         def grown(t: int) -> History:
             # every count grows by ceil(t * c / total) >= 1: the steady mix of events is kept
-            return tuple((k, min(MAX_COUNT, c + -(-t * c // total))) for k, c in after)
+            return tuple((k, max(c, min(MAX_COUNT, c + -(-t * c // total)))) for k, c in after)
+
+        start = time.thread_time()
+
+        def enough() -> bool:
+            return time.thread_time() - start > GROWTH_CPU_S
 
         if fits(grown(1)):
-            return grown(_largest(lambda t: fits(grown(t)), 1))
+            return grown(_largest(lambda t: fits(grown(t)), 1, enough))
+        # not one more of every event: room for the charged event alone, the others fixed
         others = tuple((k, c) for k, c in after if k != key)
-        n = self.allowance(accountant_name, budget_epsilon, delta, others, key)
-        if n < dict(after)[key]:  # only if the accountant's numerics are not monotone in the count
-            return after
-        return tuple(sorted((*others, (key, n))))
+
+        def fits_n(n: int) -> bool:
+            return fits(tuple(sorted((*others, (key, n)))))
+
+        return tuple(sorted((*others, (key, _largest(fits_n, dict(after)[key], enough)))))
 
 
-def _largest(fits: Callable[[int], bool], good: int) -> int:
+def _largest(fits: Callable[[int], bool], good: int, enough: Callable[[], bool] | None = None) -> int:
     """Largest ``n`` in ``[good, MAX_COUNT]`` with ``fits(n)``, given ``fits(good)``: doubling, then
-    bisection (at most ~2 log2(MAX_COUNT) = 62 calls)."""
-    bad = 2 * good
-    while fits(bad):
+    bisection (at most ~2 log2(MAX_COUNT) = 62 calls). With ``enough``, the search stops as soon as
+    it says so and returns the largest ``n`` verified so far (a lower bound, still certified)."""
+    if good >= MAX_COUNT:
+        return good
+    bad = min(2 * good, MAX_COUNT)
+    while True:
+        if enough is not None and enough():
+            return good
+        if not fits(bad):
+            break
         good = bad
         if bad >= MAX_COUNT:
             return MAX_COUNT
         bad = min(2 * bad, MAX_COUNT)
     while bad - good > 1:  # invariant: fits(good), not fits(bad)
+        if enough is not None and enough():
+            return good
         mid = (good + bad) // 2
         if fits(mid):
             good = mid
