@@ -10,6 +10,9 @@ through them), on SQLite (WAL, ``synchronous=full``: one fsync per charge) and P
 client charges its own principal, as sessions do, after one warm-up charge per event. The raw SQLite
 writers of one process queue on one lock, as the store's do (the fastest way to share a SQLite file
 between threads); processes meet in SQLite's busy handler in both columns. Goal: ledger >= 0.9x raw.
+The client-side CPU per charge (this process's, or the processes', CPU time over the charges; the
+database server's is not counted) is printed beside: unlike the rates it hardly moves with the
+machine's load or the disk's fsync latency.
 
 Then (unless ``--table-only``): ``Ledger.charge`` direct and ``POST /v1/sessions/{id}/release`` over
 HTTP (a real uvicorn server in a thread of this process, ``--clients`` concurrent httpx clients in
@@ -241,11 +244,13 @@ def _worker(kind: str, url: str, names: list[str], events: list[Any], seconds: f
 
 def _threads_cell(
     kind: str, url: str, clients: int, events: list[Any], seconds: float
-) -> tuple[float, np.ndarray]:
+) -> tuple[float, np.ndarray, float]:
     names = [f"{kind}-{secrets.token_hex(4)}-{i}" for i in range(clients)]
     one, close = _worker(kind, url, names, events, seconds, threading.Lock())
     try:
-        return _run_clients(clients, seconds, one)
+        cpu = time.process_time()
+        rate, lat = _run_clients(clients, seconds, one)
+        return rate, lat, (time.process_time() - cpu) / max(len(lat), 1)
     finally:
         close()
 
@@ -255,15 +260,16 @@ def _proc_main(kind: str, url: str, events: list[Any], seconds: float, start: An
     one, close = _worker(kind, url, names, events, seconds, threading.Lock())
     start.wait()
     try:
+        cpu = time.process_time()
         _, lat = _run_clients(1, seconds, one)
-        out.put((len(lat), lat))
+        out.put((len(lat), lat, time.process_time() - cpu))
     finally:
         close()
 
 
 def _procs_cell(
     kind: str, url: str, procs: int, events: list[Any], seconds: float
-) -> tuple[float, np.ndarray]:
+) -> tuple[float, np.ndarray, float]:
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
@@ -277,7 +283,8 @@ def _procs_cell(
     for p in ps:
         p.join()
     lat = np.concatenate([r[1] for r in results])
-    return sum(r[0] for r in results) / seconds, lat
+    n = sum(r[0] for r in results)
+    return n / seconds, lat, sum(r[2] for r in results) / max(n, 1)
 
 
 def ledger_vs_raw(url: str, label: str, seconds: float, clients: int, procs: int, repeats: int) -> None:
@@ -289,27 +296,30 @@ def ledger_vs_raw(url: str, label: str, seconds: float, clients: int, procs: int
     )
     print(
         f"{'clients':<12} {'events':<8} {'ledger/s':>10} {'p99 ms':>8} {'raw/s':>10} {'p99 ms':>8} "
-        f"{'ratio':>6}  pair ratios",
+        f"{'ratio':>6} {'cpu us/charge':>15}  pair ratios",
         flush=True,
     )
     modes = [("1 thread", _threads_cell, 1), (f"{clients} threads", _threads_cell, clients)]
     modes.append((f"{procs} procs", _procs_cell, procs))
     for name, cell, n in modes:
         for ev_label, events in (("1", [EVENT]), ("3 mixed", MIXED)):
-            raw_rates, led_rates, raw_lats, led_lats = [], [], [], []
+            got: dict[str, tuple[list[float], list[np.ndarray], list[float]]] = {
+                k: ([], [], []) for k in ("raw", "ledger")
+            }
             for _ in range(repeats):
-                rate, lat = cell("raw", url, n, events, seconds)
-                raw_rates.append(rate)
-                raw_lats.append(lat)
-                rate, lat = cell("ledger", url, n, events, seconds)
-                led_rates.append(rate)
-                led_lats.append(lat)
+                for kind in ("raw", "ledger"):
+                    rate, lat, cpu = cell(kind, url, n, events, seconds)
+                    got[kind][0].append(rate)
+                    got[kind][1].append(lat)
+                    got[kind][2].append(cpu)
+            (led_rates, led_lats, led_cpu), (raw_rates, raw_lats, raw_cpu) = got["ledger"], got["raw"]
             ratios = [led / raw for led, raw in zip(led_rates, raw_rates, strict=True) if raw]
             ratio = float(np.median(ratios)) if ratios else float("nan")
+            cpu = f"{np.median(led_cpu) * 1e6:.0f} vs {np.median(raw_cpu) * 1e6:.0f}"
             print(
                 f"{name:<12} {ev_label:<8} {np.median(led_rates):10.0f} "
                 f"{np.percentile(np.concatenate(led_lats), 99):8.2f} {np.median(raw_rates):10.0f} "
-                f"{np.percentile(np.concatenate(raw_lats), 99):8.2f} {ratio:6.2f}  "
+                f"{np.percentile(np.concatenate(raw_lats), 99):8.2f} {ratio:6.2f} {cpu:>15}  "
                 f"{', '.join(f'{r:.2f}' for r in ratios)}{'' if ratio >= 0.9 else '  (goal 0.9 NOT met)'}",
                 flush=True,
             )
