@@ -1,13 +1,22 @@
-"""Ledger throughput and latency: SQLite and PostgreSQL, direct and over HTTP, beside pgbench.
+"""Ledger throughput and latency: SQLite and PostgreSQL, against a raw transaction, direct and over HTTP.
 
-Run: ``.venv/bin/python benchmarks/bench_ledger.py [--seconds 3] [--clients 8] [--pg URL]``.
+Run: ``.venv/bin/python benchmarks/bench_ledger.py [--seconds 3] [--clients 8] [--pg URL] [--table-only]``.
 
-Each line: charges/s and p50/p99 latency of ``Ledger.charge`` (direct) or of
-``POST /v1/sessions/{id}/release`` (HTTP, a real uvicorn server in a thread of this process,
-``--clients`` concurrent httpx clients in a forked process). Each client charges its own principal,
-as sessions do; one warm-up charge per principal first (the allowance for that history is then
-cached, so the
-steady state measures the store). The reference is ``pgbench -N`` (simple-update: BEGIN; UPDATE;
+First a table: charges/s and p99 latency of ``Ledger.charge`` beside a *raw transaction with the same
+durable writes* (the upsert of the grouped count and the insert of the charge row, one transaction,
+no privacy logic), measured in the same run, interleaved row by row, for 1 thread, ``--clients``
+threads and ``--procs`` processes, with one event and with 3 mixed events (each client cycles
+through them), on SQLite (WAL, ``synchronous=full``: one fsync per charge) and PostgreSQL. Each
+client charges its own principal, as sessions do, after one warm-up charge per event. The raw SQLite
+writers of one process queue on one lock, as the store's do (the fastest way to share a SQLite file
+between threads); processes meet in SQLite's busy handler in both columns. Goal: ledger >= 0.9x raw.
+The client-side CPU per charge (this process's, or the processes', CPU time over the charges; the
+database server's is not counted) is printed beside: unlike the rates it hardly moves with the
+machine's load or the disk's fsync latency.
+
+Then (unless ``--table-only``): ``Ledger.charge`` direct and ``POST /v1/sessions/{id}/release`` over
+HTTP (a real uvicorn server in a thread of this process, ``--clients`` concurrent httpx clients in
+a forked process), and the PostgreSQL store beside ``pgbench -N`` (simple-update: BEGIN; UPDATE;
 SELECT; INSERT; END) on the same server, with the same number of clients, in the same run.
 Goals: SQLite >= 2000 charges/s with p99 < 10 ms (one client); PostgreSQL >= 50% of pgbench's TPS.
 """
@@ -34,6 +43,7 @@ from gaussdp.accounting import GaussianEvent
 from gaussdp.budget import Budget, Ledger
 
 EVENT = GaussianEvent(noise_multiplier=1000.0)  # tiny spend: the budget never binds during a run
+MIXED = [GaussianEvent(noise_multiplier=m) for m in (1000.0, 1100.0, 1200.0)]
 BUDGET = Budget(epsilon=1e4, delta=1e-5)
 
 
@@ -122,6 +132,199 @@ def bench_http(url: str, clients: int, seconds: float) -> tuple[float, np.ndarra
         return rate, lat
 
 
+# -- ledger vs raw transaction ------------------------------------------------------------------------
+
+
+class _RawSQLite:
+    """The ledger's durable writes on SQLite, with nothing else: BEGIN IMMEDIATE; upsert; insert; COMMIT."""
+
+    def __init__(self, url: str, lock: threading.Lock) -> None:
+        import sqlite3
+
+        from gaussdp.budget.sqlite import SQLiteStore
+
+        store = SQLiteStore.from_url(url)  # same file, pragmas and schema as the ledger's
+        self._conn = store._connect()
+        self._lock = lock
+        self._sqlite3 = sqlite3
+
+    def charge(self, principal: str, key: str) -> None:
+        with self._lock:
+            c = self._conn
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                c.execute(
+                    "INSERT INTO gdp_spent (principal, event_key, count) VALUES (?, ?, 1) "
+                    "ON CONFLICT (principal, event_key) DO UPDATE SET count = count + 1",
+                    (principal, key),
+                )
+                c.execute(
+                    "INSERT INTO gdp_charges (principal, event_key, idempotency_key, created_at, "
+                    "within_budget) VALUES (?, ?, NULL, ?, 1)",
+                    (principal, key, time.time()),
+                )
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+class _RawPostgres:
+    """The ledger's durable writes on PostgreSQL, with nothing else: one statement (its own transaction)
+    that upserts the grouped count and inserts the charge row, as the store's write does."""
+
+    def __init__(self, url: str) -> None:
+        import psycopg
+
+        from gaussdp.budget.postgres import PostgresStore
+
+        store = PostgresStore.from_url(url)  # creates the schema; its pool is not used
+        self._schema = store.schema
+        store.close()
+        parts = url.split("?")[0]
+        self._conn = psycopg.connect(parts, autocommit=True)
+        s = self._schema
+        self._sql = (
+            f"WITH up AS (INSERT INTO {s}.gdp_spent (principal, event_key, count) VALUES (%s, %s, 1) "
+            f"ON CONFLICT (principal, event_key) DO UPDATE SET count = {s}.gdp_spent.count + 1) "
+            f"INSERT INTO {s}.gdp_charges (principal, event_key, idempotency_key, created_at, within_budget) "
+            "VALUES (%s, %s, NULL, %s, TRUE)"
+        )
+
+    def charge(self, principal: str, key: str) -> None:
+        self._conn.execute(self._sql, (principal, key, principal, key, time.time()))
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _worker(kind: str, url: str, names: list[str], events: list[Any], seconds: float, lock: Any) -> Any:
+    """Build, for one process, ``one(i)``: one charge of client ``i``'s principal (cycling events)."""
+    from gaussdp.budget._compose import event_key
+
+    keys = [event_key(e) for e in events]
+    turn = [0] * len(names)
+    if kind == "ledger":
+        ledger = Ledger(url)
+        for p in names:
+            ledger.open(p, BUDGET)
+            for e in events:
+                ledger.charge(p, e)  # warm-up: principal row and certified box cached
+
+        def one(i: int) -> None:
+            turn[i] += 1
+            ledger.charge(names[i], events[turn[i] % len(events)])
+
+        return one, ledger.close
+    with Ledger(url) as ledger:  # opens the principals (and creates the schema)
+        for p in names:
+            ledger.open(p, BUDGET)
+    raws: list[Any] = []
+    if url.startswith("sqlite"):
+        raws = [_RawSQLite(url, lock) for _ in names]
+    else:
+        raws = [_RawPostgres(url) for _ in names]
+    for i, p in enumerate(names):
+        for k in keys:
+            raws[i].charge(p, k)
+
+    def one_raw(i: int) -> None:
+        turn[i] += 1
+        raws[i].charge(names[i], keys[turn[i] % len(keys)])
+
+    def close() -> None:
+        for r in raws:
+            r.close()
+
+    return one_raw, close
+
+
+def _threads_cell(
+    kind: str, url: str, clients: int, events: list[Any], seconds: float
+) -> tuple[float, np.ndarray, float]:
+    names = [f"{kind}-{secrets.token_hex(4)}-{i}" for i in range(clients)]
+    one, close = _worker(kind, url, names, events, seconds, threading.Lock())
+    try:
+        cpu = time.process_time()
+        rate, lat = _run_clients(clients, seconds, one)
+        return rate, lat, (time.process_time() - cpu) / max(len(lat), 1)
+    finally:
+        close()
+
+
+def _proc_main(kind: str, url: str, events: list[Any], seconds: float, start: Any, out: Any) -> None:
+    names = [f"{kind}-{secrets.token_hex(4)}"]
+    one, close = _worker(kind, url, names, events, seconds, threading.Lock())
+    start.wait()
+    try:
+        cpu = time.process_time()
+        _, lat = _run_clients(1, seconds, one)
+        out.put((len(lat), lat, time.process_time() - cpu))
+    finally:
+        close()
+
+
+def _procs_cell(
+    kind: str, url: str, procs: int, events: list[Any], seconds: float
+) -> tuple[float, np.ndarray, float]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    start, out = ctx.Event(), ctx.Queue()
+    ps = [ctx.Process(target=_proc_main, args=(kind, url, events, seconds, start, out)) for _ in range(procs)]
+    for p in ps:
+        p.start()
+    time.sleep(0.5 + 0.2 * procs)  # let every process open its store and warm up
+    start.set()
+    results = [out.get(timeout=120 + seconds) for _ in ps]
+    for p in ps:
+        p.join()
+    lat = np.concatenate([r[1] for r in results])
+    n = sum(r[0] for r in results)
+    return n / seconds, lat, sum(r[2] for r in results) / max(n, 1)
+
+
+def ledger_vs_raw(url: str, label: str, seconds: float, clients: int, procs: int, repeats: int) -> None:
+    """One table block: rows (concurrency, events); each row ``repeats`` (raw, ledger) pairs measured
+    back to back (the machine's load drifts): median rates, p99 over all pairs, median pair ratio."""
+    print(
+        f"\n{label}: Ledger.charge vs a raw transaction with the same durable writes; "
+        f"{repeats} pairs of {seconds:g} s per row"
+    )
+    print(
+        f"{'clients':<12} {'events':<8} {'ledger/s':>10} {'p99 ms':>8} {'raw/s':>10} {'p99 ms':>8} "
+        f"{'ratio':>6} {'cpu us/charge':>15}  pair ratios",
+        flush=True,
+    )
+    modes = [("1 thread", _threads_cell, 1), (f"{clients} threads", _threads_cell, clients)]
+    modes.append((f"{procs} procs", _procs_cell, procs))
+    for name, cell, n in modes:
+        for ev_label, events in (("1", [EVENT]), ("3 mixed", MIXED)):
+            got: dict[str, tuple[list[float], list[np.ndarray], list[float]]] = {
+                k: ([], [], []) for k in ("raw", "ledger")
+            }
+            for _ in range(repeats):
+                for kind in ("raw", "ledger"):
+                    rate, lat, cpu = cell(kind, url, n, events, seconds)
+                    got[kind][0].append(rate)
+                    got[kind][1].append(lat)
+                    got[kind][2].append(cpu)
+            (led_rates, led_lats, led_cpu), (raw_rates, raw_lats, raw_cpu) = got["ledger"], got["raw"]
+            ratios = [led / raw for led, raw in zip(led_rates, raw_rates, strict=True) if raw]
+            ratio = float(np.median(ratios)) if ratios else float("nan")
+            cpu = f"{np.median(led_cpu) * 1e6:.0f} vs {np.median(raw_cpu) * 1e6:.0f}"
+            print(
+                f"{name:<12} {ev_label:<8} {np.median(led_rates):10.0f} "
+                f"{np.percentile(np.concatenate(led_lats), 99):8.2f} {np.median(raw_rates):10.0f} "
+                f"{np.percentile(np.concatenate(raw_lats), 99):8.2f} {ratio:6.2f} {cpu:>15}  "
+                f"{', '.join(f'{r:.2f}' for r in ratios)}{'' if ratio >= 0.9 else '  (goal 0.9 NOT met)'}",
+                flush=True,
+            )
+
+
 def fsync_ms(directory: Path, n: int = 200) -> float:
     """Median time of one small write + fsync in ``directory``: the floor of a durable commit."""
     lat = []
@@ -196,8 +399,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--only", choices=("sqlite", "postgres"), help="run one store's rows only")
-    ap.add_argument("--repeats", type=int, default=3, help="pgbench/ledger pairs per PostgreSQL row")
+    ap.add_argument("--repeats", type=int, default=3, help="(reference, ledger) pairs per row")
     ap.add_argument("--pg", default="postgresql://postgres@127.0.0.1:5432/test")
+    ap.add_argument("--procs", type=int, default=4, help="processes in the ledger-vs-raw table")
+    ap.add_argument("--table-only", action="store_true", help="print the ledger-vs-raw table only")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gaussdp-bench-"))
     print(
@@ -206,6 +411,27 @@ def main() -> None:
     )
     print(f"one write+fsync in {tmp}: median {fsync_ms(tmp):.3f} ms (synchronous=full pays one per charge)")
     try:
+        if args.only != "postgres":
+            ledger_vs_raw(
+                f"sqlite:///{tmp / 'table.db'}",
+                "SQLite (WAL, synchronous=full)",
+                args.seconds,
+                args.clients,
+                args.procs,
+                args.repeats,
+            )
+        if args.only != "sqlite" and pg_reachable(args.pg):
+            schema = f"gdp_table_{os.getpid()}"
+            pg = f"{args.pg}{'&' if '?' in args.pg else '?'}schema={schema}&pool_size={max(args.clients, 2)}"
+            try:
+                ledger_vs_raw(pg, "PostgreSQL", args.seconds, args.clients, args.procs, args.repeats)
+            finally:
+                import psycopg
+
+                with psycopg.connect(args.pg, autocommit=True) as conn:
+                    conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+        if args.table_only:
+            return
         for sync in ("normal", "full") if args.only != "postgres" else ():
             url = f"sqlite:///{tmp / f'{sync}.db'}?synchronous={sync}"
             rate, lat = bench_direct(url, 1, args.seconds)

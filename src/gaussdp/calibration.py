@@ -26,12 +26,15 @@ References:
 from __future__ import annotations
 
 import math
+import struct
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
 from scipy import optimize, special
 
 from gaussdp._validate import check_delta, check_epsilon, check_positive, real_number
+from gaussdp._worklimit import check_work_limit
 from gaussdp.errors import InvalidParameter
 
 __all__ = [
@@ -52,6 +55,7 @@ Method = Literal["analytic", "classical"]
 _MU_MIN = 1e-12
 _MU_MAX = 1e7
 _EPS_MAX = 1e8
+_NORMAL_MIN = 2.2250738585072014e-308  # sys.float_info.min: below it floats lose relative precision
 _GL_NODES, _GL_WEIGHTS = np.polynomial.legendre.leggauss(20)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _SQRT2 = math.sqrt(2.0)
@@ -65,6 +69,7 @@ def log_delta_for_mu(mu: float, epsilon: float) -> float:
     (``scipy.special.log_ndtr``), so that it stays accurate for delta down to 1e-300 and epsilon up
     to 1e4 and beyond, where the direct difference underflows or cancels.
     """
+    check_work_limit()  # the innermost evaluation of every Gaussian accountant: a cancellation point
     if mu <= 0.0:
         return -math.inf
     a = mu / 2.0 - epsilon / mu
@@ -113,6 +118,12 @@ def mu_for(*, sigma: float, sensitivity: float = 1.0) -> float:
     if not mu <= _MU_MAX:
         raise InvalidParameter(
             f"sensitivity / sigma must be <= {_MU_MAX:g}, got sigma={sigma!r}, sensitivity={sensitivity!r}"
+        )
+    if not mu >= _NORMAL_MIN:
+        # An underflowed ratio (0 or subnormal) has lost its precision: its epsilon would be no bound.
+        raise InvalidParameter(
+            f"sensitivity / sigma underflows (below {_NORMAL_MIN:g}), got sigma={sigma!r}, "
+            f"sensitivity={sensitivity!r}"
         )
     return mu
 
@@ -182,11 +193,20 @@ def sigma_for(
     if method != "analytic":
         raise InvalidParameter(f"method must be 'analytic' or 'classical', got method={method!r}")
     mu = _mu_for_epsilon_delta(epsilon, delta)
+    log_target = math.log(delta)
+
     sigma = sensitivity / mu
-    # The division rounds: step sigma up until the profile of the sigma returned holds.
-    while log_delta_for_mu(sensitivity / sigma, epsilon) > math.log(delta):
-        sigma = math.nextafter(sigma, math.inf)
-    return sigma
+    if not sigma >= _NORMAL_MIN:
+        raise InvalidParameter(
+            f"sigma underflows (below {_NORMAL_MIN:g}) for epsilon={epsilon!r}, delta={delta!r}, "
+            f"sensitivity={sensitivity!r}"
+        )
+
+    def holds(sigma: float) -> bool:
+        return log_delta_for_mu(sensitivity / sigma, epsilon) <= log_target
+
+    # The division rounds: settle on the smallest float sigma at or above it whose profile holds.
+    return _settle(holds, sigma, toward=math.inf, what=f"sigma for epsilon={epsilon:g}")
 
 
 def classical_sigma(*, epsilon: float, delta: float, sensitivity: float = 1.0) -> float:
@@ -234,12 +254,20 @@ def _mu_for_epsilon_delta(epsilon: float, delta: float) -> float:
             f"no sigma in range gives epsilon={epsilon:g}, delta={delta:g} (mu outside "
             f"[{_MU_MIN:g}, {_MU_MAX:g}])"
         )
-    log_mu = optimize.brentq(f, lo, hi, xtol=1e-15, rtol=4 * np.finfo(float).eps, maxiter=500)
-    mu = math.exp(log_mu)
-    # brentq's answer may sit on either side of the root: step down until the profile holds.
-    while log_delta_for_mu(mu, epsilon) > log_target:
-        mu = math.nextafter(mu, 0.0) if mu < 1e-300 else mu * (1.0 - 4e-16)
-    return mu
+    log_mu = optimize.brentq(
+        f, lo, hi, xtol=1e-15, rtol=4 * np.finfo(float).eps, maxiter=_BRENT_MAXITER, disp=False
+    )
+
+    def holds(mu: float) -> bool:
+        return log_delta_for_mu(mu, epsilon) <= log_target
+
+    # brentq's answer may sit on either side of the root: settle on the safe side (_MU_MIN holds).
+    return _settle(
+        holds,
+        min(max(math.exp(log_mu), _MU_MIN), _MU_MAX),
+        toward=_MU_MIN,
+        what=f"mu for epsilon={epsilon:g}, delta={delta:g}",
+    )
 
 
 def _epsilon_for_mu(mu: float, delta: float) -> float:
@@ -252,11 +280,86 @@ def _epsilon_for_mu(mu: float, delta: float) -> float:
         return log_delta_for_mu(mu, eps) - log_target
 
     hi = max(1.0, mu * mu)
-    while f(hi) > 0.0:
+    while f(hi) > 0.0:  # at most log2(_EPS_MAX) doublings
         hi *= 2.0
         if hi > _EPS_MAX:
             raise InvalidParameter(f"epsilon exceeds {_EPS_MAX:g} for mu={mu:g}, delta={delta:g}")
-    eps = optimize.brentq(f, 0.0, hi, xtol=1e-14, rtol=4 * np.finfo(float).eps, maxiter=500)
-    while f(eps) > 0.0:
-        eps = eps * (1.0 + 4e-16) + 1e-300
-    return eps
+    # xtol far below any epsilon of interest: rtol (relative) decides, also for epsilon ~ 1e-12.
+    eps = optimize.brentq(
+        f, 0.0, hi, xtol=1e-300, rtol=4 * np.finfo(float).eps, maxiter=_BRENT_MAXITER, disp=False
+    )
+
+    def holds(e: float) -> bool:
+        return f(e) <= 0.0
+
+    # f(hi) <= 0 was checked above, so the settling search has a safe end to fall back on.
+    return _settle(holds, min(max(eps, 0.0), hi), toward=hi, what=f"epsilon for mu={mu:g}, delta={delta:g}")
+
+
+# Bounded work: Brent's method converges superlinearly (about 10-40 evaluations here); this caps it.
+_BRENT_MAXITER = 200
+# _settle widens by 1, 2, 4, ... float steps (at most 64 times, the span of the doubles) and then
+# bisects the bit patterns (at most 64 halvings): under 130 profile evaluations in the worst case.
+_SETTLE_STEPS = 64
+
+
+def _float_bits(x: float) -> int:
+    # For doubles >= 0 the IEEE-754 bit pattern, read as an integer, is monotone in the value.
+    return int(struct.unpack("<q", struct.pack("<d", x))[0])
+
+
+def _bits_float(i: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", i))[0])
+
+
+def _settle(holds: Callable[[float], bool], x: float, *, toward: float, what: str) -> float:
+    """The float at or beyond ``x`` (in the direction of ``toward``) nearest to ``x`` where ``holds``.
+
+    ``holds`` says that the guarantee is met (the profile is at or below the target); it is
+    expected to hold at ``toward`` (a value the caller has checked, or one far on the safe side) and
+    to be monotone, but the answer does not rely on either: it is returned only after ``holds`` was
+    evaluated on that very float, and an error is raised otherwise (fail closed).
+
+    Cost is bounded whatever the inputs: the distance from ``x`` is widened by 1, 2, 4, ... float
+    steps until ``holds`` is met (at most 64 widenings, the whole range of doubles), then the last
+    step is halved on the bit patterns (at most 64 halvings): float-exact, unlike a walk of one float
+    step at a time, whose length grows with the error of the root finder.
+
+    Args:
+        holds: the guarantee check, evaluated on candidate floats (all >= 0).
+        x: the root finder's estimate, >= 0.
+        toward: the direction of the safe side (``math.inf`` for "larger is safer", or a smaller
+            safe value), >= 0.
+        what: what is computed, for the error message.
+
+    Raises:
+        InvalidParameter: no float between ``x`` and ``toward`` was found on which ``holds``.
+    """
+    if holds(x):
+        return x
+    bad, limit = _float_bits(x), _float_bits(toward)
+    sign = 1 if limit > bad else -1
+    good = None
+    step = 1
+    for _ in range(_SETTLE_STEPS):
+        cand = bad + sign * step
+        if sign * (cand - limit) >= 0:
+            cand = limit
+        if holds(_bits_float(cand)):
+            good = cand
+            break
+        if cand == limit:
+            break
+        bad = cand
+        step *= 2
+    if good is None:
+        raise InvalidParameter(
+            f"could not verify the {what}: the guarantee check fails between {x!r} and {toward!r}"
+        )
+    while abs(good - bad) > 1:  # invariant: holds(good), not holds(bad); at most 64 halvings
+        mid = (good + bad) // 2
+        if holds(_bits_float(mid)):
+            good = mid
+        else:
+            bad = mid
+    return _bits_float(good)

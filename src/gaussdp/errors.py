@@ -13,6 +13,7 @@ __all__ = [
     "PrivacyError",
     "PrivacyWarning",
     "UnsafeInput",
+    "WorkLimitExceeded",
 ]
 
 
@@ -30,6 +31,15 @@ class UnsafeInput(PrivacyError):
 
 class BudgetExhausted(PrivacyError):
     """A charge would take a principal's spent privacy past its budget; nothing was charged."""
+
+
+class WorkLimitExceeded(TimeoutError):
+    """A computation ran past the CPU time allowed to it (:func:`gaussdp._worklimit.cpu_limit`).
+
+    Raised before anything is charged or released: the request asked for more numeric work than the
+    caller allows one request to do. Not a :class:`PrivacyError` on purpose: code that treats a
+    failing privacy computation as "no bound, refuse" must not turn a time-out into a refusal.
+    """
 
 
 class PrivacyWarning(UserWarning):

@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 
 __all__ = ["GaussianMechanism"]
 
+_MIN_SCALE = 1e-280  # smallest sigma or sensitivity whose noise grid stays a normal float
+
 
 class GaussianMechanism(SetOnce):
     """One (epsilon, delta)-DP release of a vector of bounded L2 sensitivity.
@@ -110,6 +112,14 @@ class GaussianMechanism(SetOnce):
                 epsilon=eps, delta=dlt, sensitivity=self.accounted_sensitivity, method=method
             )
             self.target = (eps, dlt)
+        for name, value in (("sigma", self.sigma), ("sensitivity", self.sensitivity)):
+            if value < _MIN_SCALE:
+                # Refused before anything is charged: the noise grid (2**-20 sigma, finer for small
+                # sensitivities) would underflow to 0 and the release fail after its charge.
+                raise InvalidParameter(
+                    f"{name} must be >= {_MIN_SCALE:g} (below it floats cannot carry the noise), "
+                    f"got {name}={value!r}"
+                )
 
     # --- what it costs -----------------------------------------------------------------------
 

@@ -156,3 +156,85 @@ def test_sigma_for_bad_input(kwargs, exc, word):
 def test_other_functions_bad_input(func, kwargs, word):
     with pytest.raises(PrivacyError, match=word):
         func(**kwargs)
+
+
+# -- bounded work -------------------------------------------------------------------------------------
+# Corners of every range the library accepts: mu from 1e-12 (sigma 1e12 over sensitivity 1) to 1e4,
+# delta from 1e-300 to 1 - 1e-9, epsilon from 1e-12 to 1e4. Each inversion must finish far below a
+# second of CPU (it used to walk one float step at a time: 113 s for one ledger charge at mu=1e-9).
+MU_CORNERS = [1e-12, 3e-10, 1e-9, 1e-8, 1e-6, 1e-3, 1.0, 37.0, 1e4]
+DELTA_CORNERS = [1e-300, 1e-100, 1e-10, 1e-5, 0.5, 1.0 - 1e-9]
+
+
+def _cpu(fn):
+    import time
+
+    t = time.thread_time()
+    out = fn()
+    return out, time.thread_time() - t
+
+
+@pytest.mark.parametrize("mu", MU_CORNERS)
+def test_epsilon_for_mu_bounded_and_float_exact(mu):
+    from gaussdp.calibration import epsilon_for_mu, log_delta_for_mu
+
+    for delta in DELTA_CORNERS:
+        try:
+            eps, cpu = _cpu(lambda d=delta: epsilon_for_mu(mu=mu, delta=d))
+        except InvalidParameter:
+            continue  # epsilon beyond the supported range: refused, which is fine
+        assert cpu < 0.25, (mu, delta, cpu)
+        # the guarantee holds at the value returned ...
+        assert log_delta_for_mu(mu, eps) <= math.log(delta)
+        if eps > 0.0:
+            # ... and the answer is tight: a value 1e-9 relative below it no longer holds
+            assert log_delta_for_mu(mu, eps * (1 - 1e-9)) > math.log(delta), (mu, delta, eps)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.floats(1e-12, 1e4),
+    st.sampled_from([1e-12, 1e-6, 1.0, 1e6]),
+    st.floats(1e-300, 1.0 - 1e-9),
+)
+def test_epsilon_for_bounded_over_the_accepted_ranges(sigma_over_sens, sens, delta):
+    # sigma up to 1e12 x sensitivity (the service's largest sigma over its smallest sensitivity)
+    sigma = sens / sigma_over_sens
+    try:
+        eps, cpu = _cpu(lambda: epsilon_for(sigma=sigma, delta=delta, sensitivity=sens))
+    except InvalidParameter:
+        return
+    assert cpu < 0.25
+    assert delta_for(sigma=sigma, epsilon=eps, sensitivity=sens) <= delta * (1 + 1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(1e-12, 1e4), st.floats(1e-300, 1.0 - 1e-9), st.sampled_from([1e-6, 1.0, 1e6]))
+def test_sigma_for_bounded_over_the_accepted_ranges(eps, delta, sens):
+    try:
+        sigma, cpu = _cpu(lambda: sigma_for(epsilon=eps, delta=delta, sensitivity=sens))
+    except InvalidParameter:
+        return
+    assert cpu < 0.25
+    from gaussdp.calibration import log_delta_for_mu
+
+    assert log_delta_for_mu(sens / sigma, eps) <= math.log(delta)
+
+
+def test_settle_is_float_exact_and_bounded():
+    from gaussdp.calibration import _settle
+
+    calls = []
+
+    def holds(x: float) -> bool:
+        calls.append(x)
+        return x >= 0.3
+
+    # an estimate far on the unsafe side (1e-300) still costs at most 64 + 64 checks
+    assert _settle(holds, 1e-300, toward=1.0, what="x") == 0.3
+    assert len(calls) <= 130
+    calls.clear()
+    assert _settle(holds, math.nextafter(0.3, 0.0), toward=math.inf, what="x") == 0.3
+    assert len(calls) <= 3
+    with pytest.raises(InvalidParameter, match="could not verify"):
+        _settle(lambda x: False, 1.0, toward=2.0, what="x")

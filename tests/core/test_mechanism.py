@@ -188,3 +188,19 @@ def test_check_nonnegative_refuses_what_a_noise_scale_cannot_be(bad):
     with pytest.raises(TypeError, match="real number"):
         check_nonnegative("std", True)
     assert check_nonnegative("std", 0) == 0.0 and check_nonnegative("std", 2.5) == 2.5
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(sigma=5e-324, sensitivity=5e-324),
+        dict(sigma=1.0, sensitivity=1e-300),
+        dict(epsilon=1.0, delta=1e-5, sensitivity=1e-300),
+    ],
+)
+def test_subnormal_scales_are_refused_before_any_release(kwargs):  # type: ignore[no-untyped-def]
+    # their float-safe noise grid would underflow to 0 (a release failing after its charge)
+    from gaussdp import GaussianMechanism, InvalidParameter
+
+    with pytest.raises(InvalidParameter, match=r"sigma|sensitivity"):
+        GaussianMechanism(**kwargs)

@@ -80,7 +80,12 @@ class BasicComposition(Accountant):
         lo = -690.0
         if excess(lo) <= 0.0:
             return min(1.0, delta_f + k * math.exp(lo))
-        log_share = optimize.brentq(excess, lo, hi, xtol=1e-12, maxiter=200)
-        while excess(log_share) > 0.0:
-            log_share += 1e-9
-        return min(1.0, delta_f + k * math.exp(log_share))
+        log_share = optimize.brentq(excess, lo, hi, xtol=1e-12, maxiter=200, disp=False)
+        # brentq may stop on the unsafe side: widen the step (bounded work), never past hi, which holds.
+        step = 1e-12
+        for _ in range(64):
+            if excess(log_share) <= 0.0:
+                return min(1.0, delta_f + k * math.exp(log_share))
+            log_share = min(log_share + step, hi)
+            step *= 2.0
+        return 1.0  # no share verified: delta = 1 is the only bound we can vouch for (fail closed)

@@ -5,12 +5,21 @@ A history is a tuple of ``(event_key, count)`` pairs, where ``event_key`` is the
 (``accountant.compose(event, count)``), so the cost is O(number of distinct events), whatever the
 number of charges.
 
-Most charges then cost no accountant call at all: for a history whose *other* events are fixed, the
-largest count ``n*`` of the charged event that keeps the composed epsilon within the budget is found
-once (doubling, then bisection) and cached; a charge is accepted while ``count + 1 <= n*``.
-This is sound even if an accountant's numerics were not monotone in the count: the ``m``-fold
-(adaptive) composition is a post-processing of the ``n*``-fold one for every ``m <= n*``, so the
-bound ``epsilon(n*) <= budget``, checked explicitly, covers every smaller count.
+Most charges then cost no accountant call at all. The ledger keeps, per principal, a *certified
+box*: counts ``C`` (one per event) whose composition was checked to fit the budget,
+``epsilon(C) <= budget``. A charge is accepted while the principal's history after it stays within
+the box, event by event (a few integer comparisons, cheap enough to run under the store's lock).
+This is sound whatever history led there, and even if an accountant's numerics were not monotone in
+the counts: a history with counts ``h <= C`` releases a subset of the releases of ``C``, so its
+(adaptive) composition is a post-processing of ``C``'s, and the bound ``epsilon(C) <= budget``,
+checked explicitly, covers it.
+
+:meth:`Composer.box` grows the box from the history ``h`` after a charge: every event's count by the
+same fraction, ``C = h + ceil(t h / |h|)`` with the largest integer ``t`` that fits (doubling, then
+bisection: at most ~64 accountant calls, and at most ``GROWTH_CPU_S`` of CPU: a smaller box is still
+certified), so that a principal charging k distinct events in a steady mix recomputes about as
+rarely as one charging a single event. Where not even one more of every event fits, the box gives
+the charged event alone its largest count ``n*`` with the others fixed.
 """
 
 from __future__ import annotations
@@ -18,18 +27,23 @@ from __future__ import annotations
 import functools
 import json
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
+from gaussdp._worklimit import check_work_limit
 from gaussdp.errors import InvalidParameter, PrivacyError
 
-__all__ = ["MAX_COUNT", "Composer", "event_dict", "event_key"]
+__all__ = ["MAX_COUNT", "Composer", "event_dict", "event_key", "within"]
 
 History = tuple[tuple[str, int], ...]
 
 # Largest count of one event the allowance search will certify; past it, charges are refused
 # (fail closed) rather than searched further.
 MAX_COUNT = 2**31
+# CPU seconds a box may spend growing beyond the history it certifies: growth only saves later work
+# (any certified box is valid), so it stops early for accountants whose every call is expensive.
+GROWTH_CPU_S = 0.2
 
 
 def event_key(event: Any) -> str:
@@ -41,6 +55,11 @@ def event_key(event: Any) -> str:
             f"({type(event).__name__})"
         )
     return json.dumps(to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def within(history: dict[str, int], box: dict[str, int]) -> bool:
+    """True when every count of ``history`` is at most the box's count of that event (absent: 0)."""
+    return all(c <= box.get(k, 0) for k, c in history.items())
 
 
 def event_dict(key: str) -> dict[str, Any]:
@@ -58,6 +77,9 @@ class Composer:
         self.allowance: Callable[[str, float, float, History, str], int] = functools.lru_cache(
             maxsize=cache_size
         )(self._allowance)
+        self.box: Callable[[str, float, float, History, str], History | None] = functools.lru_cache(
+            maxsize=cache_size
+        )(self._box)
         self._event: Callable[[str], Any] = functools.lru_cache(maxsize=cache_size)(self._parse_event)
 
     @staticmethod
@@ -87,12 +109,13 @@ class Composer:
 
         if not history:
             return 0.0
+        check_work_limit()
         acc = accountant(accountant_name)
         for key, count in history:
             acc.compose(self._event(key), count)
         try:
             eps = float(acc.epsilon(delta))
-        except (ArithmeticError, PrivacyError):
+        except (ArithmeticError, PrivacyError):  # (WorkLimitExceeded is neither: it propagates)
             return math.inf  # no bound we can justify: treated as over any budget (fail closed)
         return eps if not math.isnan(eps) else math.inf
 
@@ -107,16 +130,63 @@ class Composer:
 
         if not fits(1):
             return 0
-        good, bad = 1, 2
-        while fits(bad):
-            good = bad
-            if bad >= MAX_COUNT:
-                return MAX_COUNT
-            bad = min(2 * bad, MAX_COUNT)
-        while bad - good > 1:  # invariant: fits(good), not fits(bad)
-            mid = (good + bad) // 2
-            if fits(mid):
-                good = mid
-            else:
-                bad = mid
+        return _largest(fits, 1)
+
+    def _box(
+        self, accountant_name: str, budget_epsilon: float, delta: float, after: History, key: str
+    ) -> History | None:
+        """A certified box around ``after`` (the history including the new charge of ``key``), or
+        ``None`` when ``after`` itself does not fit the budget. See the module's docstring."""
+
+        def fits(history: History) -> bool:
+            return self.epsilon(accountant_name, delta, history) <= budget_epsilon
+
+        if not fits(after):
+            return None
+        total = sum(c for _, c in after)
+
+        def grown(t: int) -> History:
+            # every count grows by ceil(t * c / total) >= 1: the steady mix of events is kept
+            return tuple((k, max(c, min(MAX_COUNT, c + -(-t * c // total)))) for k, c in after)
+
+        start = time.thread_time()
+
+        def enough() -> bool:
+            return time.thread_time() - start > GROWTH_CPU_S
+
+        if fits(grown(1)):
+            return grown(_largest(lambda t: fits(grown(t)), 1, enough))
+        # not one more of every event: room for the charged event alone, the others fixed
+        others = tuple((k, c) for k, c in after if k != key)
+
+        def fits_n(n: int) -> bool:
+            return fits(tuple(sorted((*others, (key, n)))))
+
+        return tuple(sorted((*others, (key, _largest(fits_n, dict(after)[key], enough)))))
+
+
+def _largest(fits: Callable[[int], bool], good: int, enough: Callable[[], bool] | None = None) -> int:
+    """Largest ``n`` in ``[good, MAX_COUNT]`` with ``fits(n)``, given ``fits(good)``: doubling, then
+    bisection (at most ~2 log2(MAX_COUNT) = 62 calls). With ``enough``, the search stops as soon as
+    it says so and returns the largest ``n`` verified so far (a lower bound, still certified)."""
+    if good >= MAX_COUNT:
         return good
+    bad = min(2 * good, MAX_COUNT)
+    while True:
+        if enough is not None and enough():
+            return good
+        if not fits(bad):
+            break
+        good = bad
+        if bad >= MAX_COUNT:
+            return MAX_COUNT
+        bad = min(2 * bad, MAX_COUNT)
+    while bad - good > 1:  # invariant: fits(good), not fits(bad)
+        if enough is not None and enough():
+            return good
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good

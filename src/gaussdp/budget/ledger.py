@@ -5,13 +5,15 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from gaussdp._validate import check_choice
-from gaussdp.budget._compose import Composer, event_dict, event_key
+from gaussdp.budget._compose import Composer, event_dict, event_key, within
 from gaussdp.budget._types import Budget, ChargeRecord, Receipt, Spent
 from gaussdp.budget.store import (
     Decide,
+    LedgerContention,
     PrincipalConflict,
     PrincipalRow,
     Store,
@@ -30,6 +32,30 @@ logger = logging.getLogger("gaussdp.budget")
 Policy = Literal["refuse", "warn"]
 
 _MAX_HINTS = 10_000
+# Attempts of one charge whose decision went stale under the lock (the history moved past what was
+# computed outside it) before giving up with LedgerContention; each attempt recomputes outside the lock.
+_MAX_ATTEMPTS = 16
+
+
+class _Stale(Exception):
+    """Raised under the store's lock: the history seen there needs a new decision, made outside."""
+
+    def __init__(self, groups: dict[str, int]) -> None:
+        super().__init__("stale decision")
+        self.groups = groups
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What was decided outside the lock for one charge, re-validated under it in O(events).
+
+    ``box``: a certified box (``epsilon(box) <= budget``), or None. ``refuse_from``: a history (after
+    the charge) found not to fit; any history at or above it, event by event, is refused too.
+    """
+
+    box: dict[str, int] | None
+    refuse_from: dict[str, int] | None = None
+    refusal: str = ""
 
 
 class Ledger:
@@ -42,6 +68,13 @@ class Ledger:
     records nothing. The check and the write happen in one transaction that holds the principal's lock
     (SQLite ``BEGIN IMMEDIATE``, PostgreSQL ``SELECT ... FOR UPDATE``), so concurrent requests from
     any number of threads or processes can never spend past a budget together.
+
+    Nothing slow runs under that lock: the accountant runs before it is taken and certifies a *box*
+    of counts per event that fits the budget (see ``budget/_compose.py``); under the lock the
+    history after the charge is compared with the box, count by count. When the history seen under
+    the lock is not covered (another process charged meanwhile), the transaction is rolled back and
+    the decision is made again outside the lock (at most 16 times, then
+    :class:`~gaussdp.budget.LedgerContention`, nothing charged).
 
     Guarantee: while ``policy="refuse"``, the adaptive composition of all events charged to a
     principal is ``(budget.epsilon, budget.delta)``-DP under add/remove of one record, as bounded by the
@@ -56,7 +89,7 @@ class Ledger:
             charge is recorded anyway, logged, and a :class:`~gaussdp.errors.PrivacyWarning` is issued;
             the budget then guarantees nothing. Opt in only to reproduce that document.
         store: an already opened store (instead of ``url``), e.g. shared by several ledgers.
-        cache_size: entries of the epsilon and allowance caches.
+        cache_size: entries of the epsilon, allowance and box caches.
 
     Raises:
         InvalidParameter: unknown URL scheme or policy.
@@ -83,6 +116,8 @@ class Ledger:
         self._rows: dict[str, PrincipalRow] = {}
         # Per principal, the history this process last saw (only a cache-warming hint, never trusted).
         self._last_groups: dict[str, dict[str, int]] = {}
+        # Per principal, the last certified box (valid for any history: see budget/_compose.py).
+        self._boxes: dict[str, tuple[PrincipalRow, dict[str, int]]] = {}
         if policy == "warn":
             logger.warning(
                 "ledger %s uses policy='warn': exhausted budgets are logged, not enforced", self.url
@@ -175,6 +210,7 @@ class Ledger:
 
         Raises:
             BudgetExhausted: the event does not fit (``policy="refuse"``); nothing was recorded.
+            LedgerContention: concurrent charges kept changing the history; nothing was recorded.
             UnknownPrincipal: ``principal`` was never opened.
             InvalidParameter: the idempotency key was used before for a different event.
         """
@@ -182,24 +218,38 @@ class Ledger:
         idempotency_key = check_idempotency_key(idempotency_key)
         row = self._row(principal)
         self._composer._event(key)  # parse (and validate) the event before taking any lock
-        # Warm the allowance cache outside the lock, from the last history this process saw (or a
-        # snapshot): under contention the decision inside the transaction is then a cache lookup.
+        # Decide outside the store's lock, from the last history this process saw (or a snapshot):
+        # counts only grow, so that history is at or below the one the lock will show.
         last = self._last_groups.get(principal)
-        allowed = self._allowed(row, last if last is not None else self.store.groups(principal), key)
+        plan = self._plan(principal, row, last if last is not None else self.store.groups(principal), key)
         after: dict[str, dict[str, int]] = {}
         stored = None
         fast = getattr(self.store, "charge_fast", None)
-        if fast is not None and last is not None:
+        box = plan.box
+        if fast is not None and last is not None and box is not None and key in box:
             # Stores that can check "same other events, count + 1 <= allowed" under the lock in one
             # round trip; anything else (changed history, exhaustion, warn) takes the general path.
             others = tuple(sorted((k, c) for k, c in last.items() if k != key))
-            done = fast(principal, key, idempotency_key, others, allowed)
-            if done is not None:
-                stored, count = done
-                if not stored.replayed:
-                    after["groups"] = self._last_groups[principal] = {**dict(others), key: count}
+            if all(c <= box.get(k, 0) for k, c in others):
+                done = fast(principal, key, idempotency_key, others, box[key])
+                if done is not None:
+                    stored, count = done
+                    if not stored.replayed:
+                        after["groups"] = {**dict(others), key: count}
+                        self._hint(principal, after["groups"])
+        for _ in range(_MAX_ATTEMPTS if stored is None else 0):
+            try:
+                stored = self.store.charge(
+                    principal, key, idempotency_key, self._decide(principal, row, key, plan, after)
+                )
+                break
+            except _Stale as stale:  # the history moved under the lock: decide again, outside it
+                plan = self._plan(principal, row, stale.groups, key)
         if stored is None:
-            stored = self.store.charge(principal, key, idempotency_key, self._decide(principal, key, after))
+            raise LedgerContention(
+                f"principal {principal!r}: the history changed under {_MAX_ATTEMPTS} attempts in a row "
+                "(heavy concurrent charging); nothing was charged, retry"
+            )
         if not stored.within_budget and not stored.replayed:
             msg = (
                 f"privacy budget of principal {principal!r} exhausted (budget epsilon={row.epsilon:g}, "
@@ -209,6 +259,73 @@ class Ledger:
             warnings.warn(msg, PrivacyWarning, stacklevel=2)
         composed = None if stored.replayed else tuple(sorted(after["groups"].items()))
         return _receipt(stored, composed)
+
+    def _hint(self, principal: str, groups: dict[str, int]) -> None:
+        if len(self._last_groups) >= _MAX_HINTS:
+            self._last_groups.clear()
+        self._last_groups[principal] = groups
+
+    def _plan(self, principal: str, row: PrincipalRow, base: Mapping[str, int], key: str) -> _Plan:
+        """The decision for charging ``key`` on top of ``base``, made outside any lock.
+
+        The numeric work (the accountant) runs here only; under the lock :meth:`_decide` compares
+        counts. A box certified earlier for this principal is reused while it covers the history.
+        """
+        after = {**base, key: int(base.get(key, 0)) + 1}
+        cached = self._boxes.get(principal)
+        if cached is not None and cached[0] == row and within(after, cached[1]):
+            return _Plan(cached[1])
+        history = tuple(sorted((k, int(c)) for k, c in after.items()))
+        try:
+            box = self._composer.box(row.accountant, row.epsilon, row.delta, history, key)
+        except PrivacyError:
+            raise
+        except (ValueError, ArithmeticError) as exc:
+            raise InvalidParameter(
+                f"the {row.accountant!r} accountant cannot bound event={event_dict(key)}: {exc}"
+            ) from exc
+        if box is not None:
+            certified = dict(box)
+            if len(self._boxes) >= _MAX_HINTS:
+                self._boxes.clear()
+            self._boxes[principal] = (row, certified)
+            return _Plan(certified)
+        spent = self._composer.epsilon(row.accountant, row.delta, tuple(sorted(base.items())))
+        refusal = (
+            f"privacy budget of principal {principal!r} exhausted: spent epsilon={spent:.6g} of "
+            f"budget epsilon={row.epsilon:g} at delta={row.delta:g}, and event={event_dict(key)} "
+            f"does not fit ({row.accountant} accountant); nothing was charged"
+        )
+        return _Plan(cached[1] if cached is not None and cached[0] == row else None, after, refusal)
+
+    def _decide(
+        self, principal: str, row: PrincipalRow, key: str, plan: _Plan, after: dict[str, dict[str, int]]
+    ) -> Decide:
+        """The check under the store's lock: integer comparisons only, never the accountant."""
+
+        def decide(locked: PrincipalRow, groups: Mapping[str, int]) -> bool:
+            if locked != row:  # budgets never change; a different row is a different principal
+                raise PrivacyError(
+                    f"principal {principal!r} changed while being charged; nothing was charged"
+                )
+            new = {**groups, key: int(groups.get(key, 0)) + 1}
+            if plan.box is not None and within(new, plan.box):
+                after["groups"] = new
+                self._hint(principal, new)
+                return True
+            refuse = plan.refuse_from
+            if refuse is not None and all(new.get(k, 0) >= c for k, c in refuse.items()):
+                # at or above a history that does not fit: refused (sound for any accountant whose
+                # bound grows with the counts; refusing is never a privacy risk in any case)
+                if self.policy == "refuse":
+                    self._hint(principal, dict(groups))
+                    raise BudgetExhausted(plan.refusal)
+                after["groups"] = new
+                self._hint(principal, new)
+                return False
+            raise _Stale(dict(groups))
+
+        return decide
 
     def _allowed(self, row: PrincipalRow, groups: Mapping[str, int], key: str) -> int:
         """Largest total count of ``key`` that fits with the other events of ``groups``."""
@@ -221,26 +338,6 @@ class Ledger:
             raise InvalidParameter(
                 f"the {row.accountant!r} accountant cannot bound event={event_dict(key)}: {exc}"
             ) from exc
-
-    def _decide(self, principal: str, key: str, after: dict[str, dict[str, int]]) -> Decide:
-        def decide(row: PrincipalRow, groups: Mapping[str, int]) -> bool:
-            count = int(groups.get(key, 0))
-            if len(self._last_groups) > _MAX_HINTS:
-                self._last_groups.clear()
-            after["groups"] = self._last_groups[principal] = {**groups, key: count + 1}
-            if count + 1 <= self._allowed(row, groups, key):
-                return True
-            if self.policy == "refuse":
-                self._last_groups[principal] = dict(groups)
-                spent = self._composer.epsilon(row.accountant, row.delta, tuple(sorted(groups.items())))
-                raise BudgetExhausted(
-                    f"privacy budget of principal {principal!r} exhausted: spent epsilon={spent:.6g} of "
-                    f"budget epsilon={row.epsilon:g} at delta={row.delta:g}, and event={event_dict(key)} "
-                    f"does not fit ({row.accountant} accountant); nothing was charged"
-                )
-            return False
-
-        return decide
 
     def allowance(self, principal: str, event: Any) -> int:
         """How many more charges of ``event`` fit in ``principal``'s budget now (a snapshot)."""

@@ -194,9 +194,17 @@ class SQLiteStore:
             # The write lock is taken first: the history read below cannot go stale before our commit.
             conn.execute("BEGIN IMMEDIATE")
             try:
-                row = self._principal(conn, principal)
-                if row is None:
+                # the principal's row and its grouped history in one statement (less time in the lock)
+                rows = conn.execute(
+                    "SELECT p.epsilon, p.delta, p.accountant, p.created_at, s.event_key, s.count "
+                    "FROM gdp_principals p LEFT JOIN gdp_spent s ON s.principal = p.principal "
+                    "WHERE p.principal = ?",
+                    (principal,),
+                ).fetchall()
+                if not rows:
                     raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
+                r0 = rows[0]
+                row = PrincipalRow(principal, r0[0], r0[1], r0[2], r0[3])
                 if idempotency_key is not None:
                     r = conn.execute(
                         "SELECT id, event_key, created_at, within_budget FROM gdp_charges "
@@ -207,11 +215,7 @@ class SQLiteStore:
                         conn.execute("COMMIT")
                         earlier = StoredCharge(r[0], principal, r[1], idempotency_key, r[2], bool(r[3]))
                         return replayed_charge(earlier, event_key)
-                groups = dict(
-                    conn.execute(
-                        "SELECT event_key, count FROM gdp_spent WHERE principal = ?", (principal,)
-                    ).fetchall()
-                )
+                groups = {r[4]: r[5] for r in rows if r[4] is not None}
                 within = decide(row, groups)  # may raise: the ROLLBACK below records nothing
                 now = time.time()
                 conn.execute(

@@ -5,7 +5,9 @@ each principal *grouped* as ``(event_key, count)`` (so that composing a whole hi
 O(number of distinct events), not O(number of charges)), the log of individual charges (with their
 idempotency keys), and the service's hashed API keys. The one privacy-relevant duty of a store is
 :meth:`Store.charge`: the decision callback runs while the principal is locked (serialisable per
-principal), and the new charge is written in the same transaction, or not at all.
+principal), and the new charge is written in the same transaction, or not at all. The callback only
+compares counts (the ledger runs the accountant before taking the lock); when the history it is
+shown needs a new decision it raises, the store rolls back, and the ledger decides again outside.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from gaussdp.errors import InvalidParameter
+from gaussdp.errors import InvalidParameter, PrivacyError
 
 __all__ = [
     "ApiKeyRow",
+    "LedgerContention",
     "PrincipalConflict",
     "PrincipalRow",
     "Store",
@@ -37,6 +40,11 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 class PrincipalConflict(InvalidParameter):
     """The principal is already open with a different budget or accountant (budgets never change)."""
+
+
+class LedgerContention(PrivacyError):
+    """A charge was retried too often because concurrent charges kept changing the principal's
+    history under it; nothing was charged, and retrying later is safe."""
 
 
 class UnknownPrincipal(KeyError):

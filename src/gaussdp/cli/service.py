@@ -36,6 +36,9 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
     port: int = typer.Option(8000, help="TCP port."),
     max_body_bytes: int = typer.Option(8 * 1024 * 1024, help="Larger request bodies get 413."),
+    cpu_limit_s: float = typer.Option(
+        1.0, "--cpu-limit-s", help="CPU seconds of numeric work per request; past it 422, nothing charged."
+    ),
 ) -> None:
     """Run the gaussdp HTTP service (OpenAPI docs at /docs)."""
     try:
@@ -43,7 +46,7 @@ def serve(
         from gaussdp.service.server import serve as run
     except ImportError:
         _missing_extra()
-    app = create_app(db, max_body_bytes=max_body_bytes)
+    app = create_app(db, max_body_bytes=max_body_bytes, cpu_limit_s=cpu_limit_s)
     if not app.state.ledger.store.list_api_keys():
         typer.echo(f"no API keys yet: create one with  gaussdp keys create TENANT --db {db}", err=True)
     typer.echo(f"gaussdp service on http://{host}:{port}  (docs: http://{host}:{port}/docs, ledger: {db})")

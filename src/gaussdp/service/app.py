@@ -2,8 +2,11 @@
 
 Status codes: 401 missing or bad API key; 404 a session this tenant does not own (another tenant's
 sessions are indistinguishable from missing ones); 409 the session's budget cannot pay for the
-release (``BudgetExhausted``: nothing was charged or released) or an idempotency key was already
-used for a release; 413 request body over ``max_body_bytes``; 422 invalid arguments, naming them.
+release (``BudgetExhausted``: nothing was charged or released), an idempotency key was already
+used for a release, or concurrent charges kept moving the session's history (``ledger_contention``,
+with ``Retry-After``); 413 request body over ``max_body_bytes``; 422 invalid arguments, naming them,
+or a request that needs more than ``cpu_limit_s`` of numeric work (``work_limit_exceeded``; nothing
+charged).
 
 Split mode (document 000) has two endpoints. ``/hidden-state`` is for a TRUSTED server: it receives
 the clean hidden state, clips and noises it itself. ``/lora-delta`` is for an honest-but-curious
@@ -16,6 +19,7 @@ privacy the client declares it spent (the server cannot verify that noise).
 
 import base64
 import binascii
+import functools
 import logging
 import secrets
 import threading
@@ -30,8 +34,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from gaussdp.budget import Budget, BudgetExhausted, Ledger, PrincipalConflict, UnknownPrincipal
-from gaussdp.errors import PrivacyError
+from gaussdp._worklimit import cpu_limit, no_cpu_limit
+from gaussdp.budget import (
+    Budget,
+    BudgetExhausted,
+    Ledger,
+    LedgerContention,
+    PrincipalConflict,
+    UnknownPrincipal,
+)
+from gaussdp.errors import PrivacyError, WorkLimitExceeded
 from gaussdp.service.keys import verify_api_key
 from gaussdp.service.limits import BodySizeLimit
 from gaussdp.service.models import (
@@ -48,12 +60,13 @@ from gaussdp.service.models import (
     SessionOut,
 )
 
-__all__ = ["DEFAULT_LEDGER_URL", "DEFAULT_MAX_BODY_BYTES", "create_app"]
+__all__ = ["DEFAULT_CPU_LIMIT_S", "DEFAULT_LEDGER_URL", "DEFAULT_MAX_BODY_BYTES", "create_app"]
 
 logger = logging.getLogger("gaussdp.service")
 
 DEFAULT_LEDGER_URL = "sqlite:///gaussdp-ledger.db"
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_CPU_LIMIT_S = 1.0
 _KEY_CACHE_SECONDS = 30.0
 
 SessionId = Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The session's id.")]
@@ -89,6 +102,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     noise: Literal["secure", "fast"] = "secure",
     lora_adapters: Mapping[str, Any] | None = None,
+    cpu_limit_s: float = DEFAULT_CPU_LIMIT_S,
 ) -> FastAPI:
     """Build the service over a ledger (opened from ``ledger_url`` unless ``ledger`` is given).
 
@@ -101,7 +115,13 @@ def create_app(
             or ``(A, B, scaling, backend)``, with PEFT shapes A (r, d) and B (d_out, r) (numpy or
             torch), scaling 1 by default, and a :class:`gaussdp.inference.LoRABackend` (plain numpy
             by default). Needs the ``torch`` extra (for :mod:`gaussdp.inference`).
+        cpu_limit_s: CPU seconds of numeric work (calibration, accounting) one request may use;
+            past it the request is answered 422 ``work_limit_exceeded`` with nothing charged (the
+            ledger computes before it charges). Every routine is bounded well below the default of
+            1 s for the parameters the API accepts; the limit is the backstop.
     """
+    if not cpu_limit_s > 0:
+        raise ValueError(f"cpu_limit_s must be > 0, got cpu_limit_s={cpu_limit_s!r}")
     owns_ledger = ledger is None
     led = Ledger(ledger_url) if ledger is None else ledger
     tenants = _Tenants(led)
@@ -131,6 +151,16 @@ def create_app(
         return tenant
 
     Tenant = Annotated[str, Depends(tenant_of)]
+
+    def bounded(route: Callable[..., Any]) -> Callable[..., Any]:
+        """Run a (sync) route under the per-request CPU limit, in the worker thread that runs it."""
+
+        @functools.wraps(route)
+        def limited(*args: Any, **kwargs: Any) -> Any:
+            with cpu_limit(cpu_limit_s):
+                return route(*args, **kwargs)
+
+        return limited
 
     def principal(tenant: str, session_id: str) -> str:
         # Tenant names cannot contain "/", so "tenant/session" never collides across tenants.
@@ -168,6 +198,16 @@ def create_app(
         ]
         return JSONResponse({"detail": errors}, status_code=422)
 
+    @app.exception_handler(WorkLimitExceeded)
+    async def _work_limit(request: Request, exc: WorkLimitExceeded) -> JSONResponse:
+        return JSONResponse({"detail": str(exc), "error": "work_limit_exceeded"}, status_code=422)
+
+    @app.exception_handler(LedgerContention)
+    async def _contention(request: Request, exc: LedgerContention) -> JSONResponse:
+        return JSONResponse(
+            {"detail": str(exc), "error": "ledger_contention"}, status_code=409, headers={"Retry-After": "1"}
+        )
+
     @app.exception_handler(PrincipalConflict)
     async def _conflict(request: Request, exc: PrincipalConflict) -> JSONResponse:
         return JSONResponse({"detail": str(exc), "error": "session_conflict"}, status_code=409)
@@ -182,6 +222,7 @@ def create_app(
         return {"status": "ok"}
 
     @app.post("/v1/sessions", status_code=201, response_model=SessionOut, tags=["sessions"])
+    @bounded
     def create_session(body: SessionIn, tenant: Tenant) -> SessionOut:
         """Open a session with a total (epsilon, delta) budget; its releases are charged to it."""
         session_id = body.session_id or secrets.token_urlsafe(12)
@@ -196,6 +237,7 @@ def create_app(
         return [p[len(prefix) :] for p in led.principals(prefix)]
 
     @app.get("/v1/sessions/{session_id}", response_model=SessionOut, tags=["sessions"])
+    @bounded
     def get_session(session_id: SessionId, tenant: Tenant) -> SessionOut:
         """Budget, spent and remaining privacy of a session."""
         return session_out(owned(tenant, session_id), session_id)
@@ -216,13 +258,15 @@ def create_app(
         ]
 
     @app.post("/v1/sessions/{session_id}/release", response_model=ReleaseOut, tags=["releases"])
+    @bounded
     def release(session_id: SessionId, body: ReleaseIn, tenant: Tenant) -> ReleaseOut:
         """Clip a vector to L2 norm ``sensitivity``, add calibrated Gaussian noise; charged first."""
         p = owned(tenant, session_id)
         x = _vector(body.vector, body.vector_b64, "vector_b64")
         mech = _mechanism(body.epsilon, body.delta, body.sigma, body.sensitivity, noise)
         receipt, out = _charge_then_release(led, p, mech, x, body.idempotency_key)
-        budget, spent = led.budget(p), led.spent(p, as_of=receipt)
+        with no_cpu_limit():  # charged: the answer must not fail on the limit now
+            budget, spent = led.budget(p), led.spent(p, as_of=receipt)
         return ReleaseOut(
             **_encode(out, "vector", b64=body.vector_b64 is not None),
             sigma=float(mech.sigma),
@@ -233,6 +277,7 @@ def create_app(
         )
 
     @app.post("/v1/sessions/{session_id}/hidden-state", response_model=HiddenStateOut, tags=["releases"])
+    @bounded
     def hidden_state(session_id: SessionId, body: HiddenStateIn, tenant: Tenant) -> HiddenStateOut:
         """Document 000's split mode, TRUSTED server: clip the state to ``clip_norm``, noise it, charge.
 
@@ -250,18 +295,21 @@ def create_app(
             x = _clip(x, body.clip_norm)  # clipped to C, noised for 2C (the mechanism's clip is a no-op)
         mech = _mechanism(body.epsilon, body.delta, body.sigma, sensitivity, noise)
         receipt, out = _charge_then_release(led, p, mech, x, body.idempotency_key)
+        with no_cpu_limit():  # charged: the answer must not fail on the limit now
+            epsilon_spent = led.spent(p, as_of=receipt).epsilon
         return HiddenStateOut(
             **_encode(out, "noised", b64=body.hidden_state_b64 is not None),
             sigma=float(mech.sigma),
             clip_norm=body.clip_norm,
             neighbouring=body.neighbouring,
             sensitivity=sensitivity,
-            epsilon_spent=led.spent(p, as_of=receipt).epsilon,
+            epsilon_spent=epsilon_spent,
             budget_ok=True,
             charge_id=receipt.charge_id,
         )
 
     @app.post("/v1/sessions/{session_id}/lora-delta", response_model=LoraDeltaOut, tags=["releases"])
+    @bounded
     def lora_delta(session_id: SessionId, body: LoraDeltaIn, tenant: Tenant) -> LoraDeltaOut:
         """Document 000's split mode, untrusted server: the LoRA delta of rows the CLIENT privatized.
 
@@ -299,7 +347,8 @@ def create_app(
                 f"idempotency_key={body.idempotency_key!r} was already charged and answered "
                 "(the first response is the only one)",
             )
-        budget, spent = led.budget(p), led.spent(p, as_of=receipt)
+        with no_cpu_limit():  # charged: the answer must not fail on the limit now
+            budget, spent = led.budget(p), led.spent(p, as_of=receipt)
         return LoraDeltaOut(
             **_encode(out, "delta", b64=b64),
             rows=int(h.shape[0]),
@@ -406,7 +455,8 @@ def _charge_then_release(led: Ledger, p: str, mech: Any, x: np.ndarray, key: str
             f"idempotency_key={key!r} was already charged and released; a second noisy value would not "
             "be covered by that charge (the first response is the only one)",
         )
-    return receipt, mech.release(x)
+    with no_cpu_limit():  # charged: the release must follow (its cost is bounded by the body size)
+        return receipt, mech.release(x)
 
 
 def _mechanism(
