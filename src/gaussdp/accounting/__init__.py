@@ -1,7 +1,9 @@
 """Privacy accounting: events (what was released) and accountants (what it cost).
 
-Neighbouring relation everywhere: add/remove of one record. Every accountant except ``"gdp"``
-(a central-limit approximation, labelled as such) returns upper bounds on the true epsilon(delta).
+Neighbouring relation: add/remove of one record, or replace-one for the events that say so
+(fixed-size batches, :class:`ReplaceOneSubsampledGaussianEvent`); an accountant refuses to mix the
+two. Every accountant except ``"gdp"`` (a central-limit approximation, labelled as such) returns
+upper bounds on the true epsilon(delta).
 """
 
 from __future__ import annotations
@@ -32,10 +34,14 @@ from gaussdp.accounting.events import (
     ComposedEvent,
     EpsilonDeltaEvent,
     Event,
+    FixedBatchGaussianEvent,
     GaussianEvent,
+    LaplaceEvent,
+    ReplaceOneSubsampledGaussianEvent,
     SelfComposedEvent,
     SubsampledGaussianEvent,
     event_from_dict,
+    neighboring_relation_of,
 )
 from gaussdp.accounting.gdp import GDPAccountant
 from gaussdp.accounting.inverse import noise_for_epsilon
@@ -50,8 +56,10 @@ __all__ = [
     "ComposedEvent",
     "EpsilonDeltaEvent",
     "Event",
+    "FixedBatchGaussianEvent",
     "GDPAccountant",
     "GaussianEvent",
+    "LaplaceEvent",
     "PLDAccountant",
     "PrivacyAccountant",
     "PrivacyBudget",
@@ -59,6 +67,7 @@ __all__ = [
     "PrivacyExpenditure",
     "PrivacyParams",
     "RDPAccountant",
+    "ReplaceOneSubsampledGaussianEvent",
     "SelfComposedEvent",
     "SubsampledGaussianEvent",
     "UnsupportedEvent",
@@ -70,6 +79,7 @@ __all__ = [
     "compute_epsilon_from_delta",
     "estimate_noise_scale",
     "event_from_dict",
+    "neighboring_relation_of",
     "noise_for_epsilon",
     "upper_bound_accountant",
 ]
