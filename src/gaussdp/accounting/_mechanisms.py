@@ -43,6 +43,8 @@ from gaussdp.accounting.events import (
     Event,
     FixedBatchGaussianEvent,
     LaplaceEvent,
+    PrivacyLossDistributionEvent,
+    PrivacyProfileEvent,
     ReplaceOneSubsampledGaussianEvent,
 )
 
@@ -50,6 +52,7 @@ __all__ = [
     "PROFILE_LEAVES",
     "fixed_batch_gaussian_rdp",
     "laplace_rdp",
+    "leaf_atom_scale",
     "leaf_log_delta",
     "leaf_loss_range",
     "leaf_mu2",
@@ -60,7 +63,13 @@ __all__ = [
 FloatArray = NDArray[np.float64]
 
 #: Leaf events whose PLD the accountants build from the exact profile below.
-PROFILE_LEAVES = (ReplaceOneSubsampledGaussianEvent, FixedBatchGaussianEvent, LaplaceEvent)
+PROFILE_LEAVES = (
+    ReplaceOneSubsampledGaussianEvent,
+    FixedBatchGaussianEvent,
+    LaplaceEvent,
+    PrivacyLossDistributionEvent,
+    PrivacyProfileEvent,
+)
 
 
 def symmetric_log_delta(log_delta_pos: FloatArray, eps: FloatArray) -> FloatArray:
@@ -118,9 +127,66 @@ def _fixed_batch_log_delta_pos(sigma: float, gamma: float, e: FloatArray) -> Flo
     return np.maximum(r, subsampled_log_delta(s, gamma, e, "add"))
 
 
+@functools.lru_cache(maxsize=256)
+def _histogram_sums(leaf: PrivacyLossDistributionEvent) -> tuple[FloatArray, FloatArray, FloatArray, float]:
+    order = np.argsort(leaf.losses)
+    loss = np.asarray(leaf.losses)[order]
+    p = np.asarray(leaf.probabilities)[order]
+    a_suf = np.append(np.cumsum(p[::-1])[::-1], 0.0)  # sum_{i >= j} p_i
+    g_suf = np.append(np.cumsum((p * np.exp(-loss))[::-1])[::-1], 0.0)  # sum_{i >= j} p_i e^{-l_i}
+    return loss, a_suf, g_suf, max(0.0, 1.0 - math.fsum(leaf.probabilities))
+
+
+def _histogram_log_delta(leaf: PrivacyLossDistributionEvent, e: FloatArray) -> FloatArray:
+    # delta(eps) = sum_{l_i > eps} p_i (1 - e^{eps - l_i}) + p_inf, from suffix sums over sorted losses.
+    loss, a_suf, g_suf, p_inf = _histogram_sums(leaf)
+    j = np.searchsorted(loss, e, side="right")
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        d = a_suf[j] - np.exp(np.minimum(e, 700.0)) * g_suf[j] + p_inf
+        return np.log(np.maximum(d, 0.0))
+
+
+@functools.lru_cache(maxsize=256)
+def _profile_hull(leaf: PrivacyProfileEvent) -> tuple[FloatArray, FloatArray]:
+    # Vertices of the least private profile with delta(eps_i) <= delta_i: the lower convex hull, in
+    # (y = e^eps, delta), of (0, 1), the points, and their mirrors (the KOV pair of each point has
+    # a profile through exactly those vertices; the max of trade-off functions is the convex
+    # envelope of the min of profiles). Points implied by a smaller-epsilon point are dropped first.
+    pts = sorted(zip(leaf.epsilons, leaf.deltas, strict=True))
+    kept: list[tuple[float, float]] = []
+    for eps, d in pts:
+        if not kept or d < kept[-1][1]:
+            kept.append((eps, d))
+    xy = {(0.0, 1.0)}
+    for eps, d in kept:
+        xy.add((math.exp(eps), d))
+        xy.add((math.exp(-eps), -math.expm1(-eps + math.log1p(-d))))
+    hull: list[tuple[float, float]] = []
+    for x, y in sorted(xy):
+        while len(hull) >= 2:
+            (x1, y1), (x2, y2) = hull[-2], hull[-1]
+            if (x2 - x1) * (y - y1) - (y2 - y1) * (x - x1) <= 0.0:  # hull[-1] not below the chord
+                hull.pop()
+            else:
+                break
+        hull.append((x, y))
+    return np.asarray([x for x, _ in hull]), np.asarray([y for _, y in hull])
+
+
+def _profile_log_delta(leaf: PrivacyProfileEvent, e: FloatArray) -> FloatArray:
+    hx, hy = _profile_hull(leaf)
+    d = np.interp(np.exp(np.minimum(e, 700.0)), hx, hy, right=hy[-1])
+    with np.errstate(divide="ignore"):
+        return np.log(np.maximum(d, 0.0))
+
+
 def leaf_log_delta(leaf: Event, eps: ArrayLike) -> FloatArray:
     """Exact log delta(eps) of one release of ``leaf`` (a :data:`PROFILE_LEAVES` event), all real eps."""
     e = np.atleast_1d(np.asarray(eps, dtype=np.float64))
+    if isinstance(leaf, PrivacyLossDistributionEvent):
+        return _histogram_log_delta(leaf, e)
+    if isinstance(leaf, PrivacyProfileEvent):
+        return _profile_log_delta(leaf, e)
     a = np.abs(e)
     if isinstance(leaf, LaplaceEvent):
         pos = _laplace_log_delta_pos(leaf.epsilon, a)
@@ -144,6 +210,11 @@ def leaf_loss_range(leaf: Event, tail: float) -> tuple[float, float]:
     """
     if isinstance(leaf, LaplaceEvent):
         return -leaf.epsilon, leaf.epsilon
+    if isinstance(leaf, PrivacyLossDistributionEvent):
+        return min(leaf.losses) - 1e-9, max(leaf.losses) + 1e-9
+    if isinstance(leaf, PrivacyProfileEvent):
+        m = max(leaf.epsilons) + 1e-9
+        return -m, m
     z = float(-special.ndtri(tail))
     if isinstance(leaf, ReplaceOneSubsampledGaussianEvent):
         s, q, shift = leaf.noise_multiplier, leaf.sample_rate, 1.0
@@ -166,6 +237,10 @@ def leaf_mu2(leaf: Event) -> float:
     """A scale of one release's privacy loss (the CLT mu^2 of Bu et al. 2020), for grid sizing only."""
     if isinstance(leaf, LaplaceEvent):
         return leaf.epsilon**2
+    if isinstance(leaf, PrivacyLossDistributionEvent):
+        return math.fsum(p * v * v for v, p in zip(leaf.losses, leaf.probabilities, strict=True))
+    if isinstance(leaf, PrivacyProfileEvent):
+        return max(leaf.epsilons) ** 2
     q, s = leaf.sample_rate, leaf.noise_multiplier  # type: ignore[attr-defined]
     if isinstance(leaf, ReplaceOneSubsampledGaussianEvent):
         # Var_{N(0)} of (phi(z+1) - phi(z-1)) / phi(z) = 2 (e^{1/s^2} - e^{-1/s^2})
@@ -173,6 +248,15 @@ def leaf_mu2(leaf: Event) -> float:
     if isinstance(leaf, FixedBatchGaussianEvent):
         return q * q * math.expm1(min(4.0 / (s * s), 700.0))  # a shift of 2 clip norms
     raise TypeError(f"no loss scale for {leaf!r}")
+
+
+def leaf_atom_scale(leaf: Event) -> float:
+    """The largest |loss| of an atomic user-supplied PLD or profile (inf for other events)."""
+    if isinstance(leaf, PrivacyLossDistributionEvent):
+        return max(abs(v) for v in leaf.losses) or math.inf
+    if isinstance(leaf, PrivacyProfileEvent):
+        return max(leaf.epsilons) or math.inf
+    return math.inf
 
 
 # ----- RDP -------------------------------------------------------------------------------------

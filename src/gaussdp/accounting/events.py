@@ -20,6 +20,7 @@ noise multiplier. The replace-one *sampled* events below instead take the DP-SGD
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ __all__ = [
     "FixedBatchGaussianEvent",
     "GaussianEvent",
     "LaplaceEvent",
+    "PrivacyLossDistributionEvent",
+    "PrivacyProfileEvent",
     "ReplaceOneSubsampledGaussianEvent",
     "SelfComposedEvent",
     "SubsampledGaussianEvent",
@@ -243,6 +246,107 @@ class LaplaceEvent(Event):
         return {"type": self.kind, "scale": self.scale, "sensitivity": self.sensitivity}
 
 
+def _float_tuple(name: str, values: Any) -> tuple[float, ...]:
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be a sequence of numbers, got {name}={values!r}")
+    out = tuple(real_number(f"{name}[{i}]", v) for i, v in enumerate(values))
+    if not out:
+        raise InvalidParameter(f"{name} must not be empty")
+    return out
+
+
+@dataclass(frozen=True)
+class PrivacyLossDistributionEvent(Event):
+    """A mechanism given by the privacy loss distribution of a dominating pair ``(P, Q)``.
+
+    Mass ``probabilities[i]`` at privacy loss ``losses[i] = ln(P(o)/Q(o))`` (o drawn from P); the
+    rest of P's mass, ``1 - sum(probabilities)``, is at loss +infinity. The pair must dominate the
+    mechanism for *every ordered* pair of neighbours (``H_a(M(D)||M(D')) <= H_a(P||Q)`` for all a >=
+    0), as dp_accounting's PLDs do; it is checked to be a valid PLD (``E[e^-L] <= 1``). The PLD
+    accountant discretises its exact profile ``delta(eps) = sum_i p_i (1 - e^{eps - l_i})_+ + p_inf``
+    pessimistically (connect the dots), so the answer stays an upper bound.
+    """
+
+    losses: tuple[float, ...]
+    probabilities: tuple[float, ...]
+    kind: ClassVar[str] = "privacy_loss_distribution"
+
+    def __post_init__(self) -> None:
+        losses = _float_tuple("losses", self.losses)
+        probs = _float_tuple("probabilities", self.probabilities)
+        if len(losses) != len(probs):
+            raise InvalidParameter(
+                f"losses and probabilities must have the same length, got {len(losses)} and {len(probs)}"
+            )
+        if any(not math.isfinite(v) for v in losses):
+            raise InvalidParameter("losses must be finite (leave the mass at +infinity out)")
+        if any(not (0.0 <= p <= 1.0) for p in probs) or math.fsum(probs) > 1.0 + 1e-12:
+            raise InvalidParameter(
+                f"probabilities must be in [0, 1] and sum to <= 1, got sum={math.fsum(probs)!r}"
+            )
+        if math.fsum(p * math.exp(-min(v, 700.0)) for v, p in zip(losses, probs, strict=True)) > 1.0 + 1e-9:
+            raise InvalidParameter(
+                "not a privacy loss distribution: E[exp(-loss)] > 1 (Q would have mass > 1)"
+            )
+        object.__setattr__(self, "losses", losses)
+        object.__setattr__(self, "probabilities", probs)
+
+    @classmethod
+    def from_probability_mass_functions(
+        cls, p: Iterable[float], q: Iterable[float]
+    ) -> PrivacyLossDistributionEvent:
+        """The PLD of the pair (P, Q) of probability vectors on the same finite outcomes.
+
+        Outcomes where Q is 0 and P is not carry loss +infinity; where P is 0 they carry no mass.
+        """
+        pp, qq = _float_tuple("p", p), _float_tuple("q", q)
+        if len(pp) != len(qq):
+            raise InvalidParameter(f"p and q must have the same length, got {len(pp)} and {len(qq)}")
+        if any(v < 0 for v in pp + qq) or math.fsum(pp) > 1 + 1e-12 or math.fsum(qq) > 1 + 1e-12:
+            raise InvalidParameter("p and q must be probability vectors")
+        pairs = [(math.log(a) - math.log(b), a) for a, b in zip(pp, qq, strict=True) if a > 0 and b > 0]
+        if not pairs:
+            raise InvalidParameter("P and Q have no outcome in common: the mechanism is not private")
+        return cls(tuple(v for v, _ in pairs), tuple(w for _, w in pairs))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.kind, "losses": list(self.losses), "probabilities": list(self.probabilities)}
+
+
+@dataclass(frozen=True)
+class PrivacyProfileEvent(Event):
+    """A mechanism known only to be ``(epsilons[i], deltas[i])``-DP for every i (a sampled profile).
+
+    The accountants use the least private mechanism with that guarantee: the tight pair of the
+    trade-off function ``max_i f_{eps_i, delta_i}`` (Kairouz, Oh & Viswanath 2015 for one pair),
+    whose privacy profile, as a function of ``e^eps``, is the lower convex hull of the points, of
+    ``(0, 1)`` and of their mirror images ``(e^-eps_i, 1 - e^-eps_i (1 - delta_i))``, flat beyond
+    the last point. Any epsilon-delta curve a user holds (a profile from another library, a table)
+    composes through it, and the result stays an upper bound.
+    """
+
+    epsilons: tuple[float, ...]
+    deltas: tuple[float, ...]
+    kind: ClassVar[str] = "privacy_profile"
+
+    def __post_init__(self) -> None:
+        eps = _float_tuple("epsilons", self.epsilons)
+        dl = _float_tuple("deltas", self.deltas)
+        if len(eps) != len(dl):
+            raise InvalidParameter(
+                f"epsilons and deltas must have the same length, got {len(eps)} and {len(dl)}"
+            )
+        if any(not (0.0 <= e <= 700.0) for e in eps):
+            raise InvalidParameter("epsilons must be in [0, 700]")
+        if any(not (0.0 <= d < 1.0) for d in dl):
+            raise InvalidParameter("deltas must be in [0, 1)")
+        object.__setattr__(self, "epsilons", eps)
+        object.__setattr__(self, "deltas", dl)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.kind, "epsilons": list(self.epsilons), "deltas": list(self.deltas)}
+
+
 @dataclass(frozen=True)
 class SelfComposedEvent(Event):
     """``event`` repeated ``count`` times (adaptively chosen, independent noise each time)."""
@@ -310,7 +414,13 @@ def flatten_event(event: Event, count: int = 1) -> Iterator[tuple[Event, int]]:
         raise TypeError(f"event must be a gaussdp Event, got event={event!r}")
 
 
-_EXTRA_LEAVES = (ReplaceOneSubsampledGaussianEvent, FixedBatchGaussianEvent, LaplaceEvent)
+_EXTRA_LEAVES = (
+    ReplaceOneSubsampledGaussianEvent,
+    FixedBatchGaussianEvent,
+    LaplaceEvent,
+    PrivacyLossDistributionEvent,
+    PrivacyProfileEvent,
+)
 
 
 def neighboring_relation_of(event: Event) -> str | None:
@@ -357,6 +467,10 @@ def event_from_dict(d: Mapping[str, Any]) -> Event:
         )
     if kind == LaplaceEvent.kind:
         return LaplaceEvent(_field(d, "scale"), d.get("sensitivity", 1.0))
+    if kind == PrivacyLossDistributionEvent.kind:
+        return PrivacyLossDistributionEvent(_field(d, "losses"), _field(d, "probabilities"))
+    if kind == PrivacyProfileEvent.kind:
+        return PrivacyProfileEvent(_field(d, "epsilons"), _field(d, "deltas"))
     if kind == SelfComposedEvent.kind:
         return SelfComposedEvent(event_from_dict(_field(d, "event")), _field(d, "count"))
     if kind == ComposedEvent.kind:

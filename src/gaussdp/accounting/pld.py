@@ -52,7 +52,13 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy import fft, special
 
-from gaussdp.accounting._mechanisms import PROFILE_LEAVES, leaf_log_delta, leaf_loss_range, leaf_mu2
+from gaussdp.accounting._mechanisms import (
+    PROFILE_LEAVES,
+    leaf_atom_scale,
+    leaf_log_delta,
+    leaf_loss_range,
+    leaf_mu2,
+)
 from gaussdp.accounting._profiles import subsampled_log_delta
 from gaussdp.accounting.base import Accountant
 from gaussdp.accounting.events import EpsilonDeltaEvent, Event, GaussianEvent, SubsampledGaussianEvent
@@ -419,6 +425,9 @@ class PLDAccountant(Accountant):
             default=math.inf,
         )
         h = min(h, eps_min / 2000.0)
+        # Likewise for the atoms of user-supplied loss histograms and profiles (connect the dots
+        # splits an atom between its two grid neighbours).
+        h = min(h, min((leaf_atom_scale(e) for e in self._counts), default=math.inf) / 2000.0)
         # A power of two, so that h (and the cached per-event discretisations) change only when the
         # composition doubles or halves in scale: online use recomputes almost nothing.
         return float(2.0 ** math.floor(math.log2(h)))
