@@ -13,6 +13,7 @@ import pytest
 
 from gaussdp.accounting import (
     ComposedEvent,
+    DiscreteGaussianEvent,
     FixedBatchGaussianEvent,
     GaussianEvent,
     LaplaceEvent,
@@ -398,3 +399,61 @@ def test_profile_sampled_from_a_gaussian_stays_above_the_gaussian(k):
         accountant("pld").compose(PrivacyProfileEvent(tuple(eps[::10]), tuple(dl[::10])), k).epsilon(1e-5)
     )
     assert sparse >= ours * (1 - 1e-9)
+
+
+# ----- discrete Gaussian ------------------------------------------------------------------------------
+
+
+def _mp_discrete_gaussian_epsilon(sigma, sens, k, delta):
+    """50-digit epsilon of k discrete Gaussian releases: the composed loss depends on the noise sum S only."""
+    mp.mp.dps = 50
+    s2 = 2 * mp.mpf(sigma) ** 2
+    t = int(12 * sigma) + 2
+    w = [mp.exp(-(mp.mpf(y) ** 2) / s2) for y in range(-t, t + 1)]
+    z = mp.fsum(mp.exp(-(mp.mpf(y) ** 2) / s2) for y in range(-40 * t, 40 * t + 1))
+    one = [x / z for x in w]
+    pmf = one
+    for _ in range(k - 1):  # exact convolution of the k noise terms
+        out = [mp.mpf(0)] * (len(pmf) + len(one) - 1)
+        for i, a in enumerate(pmf):
+            for j, b in enumerate(one):
+                out[i + j] += a * b
+        pmf = out
+    lo = -k * t
+    losses = [(k * sens**2 - 2 * sens * (lo + i)) / s2 for i in range(len(pmf))]
+
+    def dlt(e):
+        return mp.fsum(p * (1 - mp.exp(e - v)) for p, v in zip(pmf, losses, strict=True) if v > e)
+
+    a, b = mp.mpf(0), mp.mpf(max(losses))
+    for _ in range(100):
+        m = (a + b) / 2
+        a, b = (m, b) if dlt(m) > delta else (a, m)
+    return float(b)
+
+
+@pytest.mark.parametrize(("sigma", "sens", "k"), [(0.7, 2, 5), (2.0, 1, 10), (1.0, 1, 1)])
+def test_discrete_gaussian_pld_matches_exact_composition(sigma, sens, k):
+    ours = accountant("pld").compose(DiscreteGaussianEvent(sigma, sens), k).epsilon(1e-6)
+    exact = _mp_discrete_gaussian_epsilon(sigma, sens, k, mp.mpf("1e-6"))
+    assert exact <= ours <= exact * 1.002
+    theirs = pld_lib.from_discrete_gaussian_mechanism(sigma, sens, value_discretization_interval=1e-4)
+    assert ours <= theirs.self_compose(k).get_epsilon_for_delta(1e-6) * 1.0005
+
+
+@pytest.mark.parametrize(("sigma", "sens", "k"), [(5.0, 1, 10), (50.0, 3, 100)])
+def test_discrete_gaussian_pld_matches_dp_accounting(sigma, sens, k):
+    ours = accountant("pld").compose(DiscreteGaussianEvent(sigma, sens), k).epsilon(1e-6)
+    pld = pld_lib.from_discrete_gaussian_mechanism(sigma, sens, value_discretization_interval=1e-4)
+    theirs = pld.self_compose(k).get_epsilon_for_delta(1e-6)
+    assert abs(ours / theirs - 1) < 0.002
+
+
+def test_discrete_gaussian_rdp_is_concentrated_dp_and_above_pld():
+    acc = accountant("rdp").compose(DiscreteGaussianEvent(4.0, 2), 20)
+    orders = np.asarray(acc.orders)
+    assert acc.rdp() == pytest.approx(20 * orders * 4 / (2 * 16.0), rel=1e-12)
+    assert acc.epsilon(1e-6) >= accountant("pld").compose(DiscreteGaussianEvent(4.0, 2), 20).epsilon(1e-6)
+    assert event_from_dict(DiscreteGaussianEvent(4.0, 2).to_dict()) == DiscreteGaussianEvent(4.0, 2)
+    with pytest.raises(TypeError):
+        DiscreteGaussianEvent(4.0, 1.5)

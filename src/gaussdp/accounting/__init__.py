@@ -32,6 +32,7 @@ from gaussdp.accounting.documents import (
 )
 from gaussdp.accounting.events import (
     ComposedEvent,
+    DiscreteGaussianEvent,
     EpsilonDeltaEvent,
     Event,
     FixedBatchGaussianEvent,
@@ -56,6 +57,7 @@ __all__ = [
     "BasicComposition",
     "BudgetState",
     "ComposedEvent",
+    "DiscreteGaussianEvent",
     "EpsilonDeltaEvent",
     "Event",
     "FixedBatchGaussianEvent",

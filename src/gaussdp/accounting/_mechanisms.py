@@ -40,6 +40,7 @@ from scipy import special
 
 from gaussdp.accounting._profiles import subsampled_log_delta
 from gaussdp.accounting.events import (
+    DiscreteGaussianEvent,
     Event,
     FixedBatchGaussianEvent,
     LaplaceEvent,
@@ -47,6 +48,7 @@ from gaussdp.accounting.events import (
     PrivacyProfileEvent,
     ReplaceOneSubsampledGaussianEvent,
 )
+from gaussdp.errors import InvalidParameter
 
 __all__ = [
     "PROFILE_LEAVES",
@@ -64,6 +66,7 @@ FloatArray = NDArray[np.float64]
 
 #: Leaf events whose PLD the accountants build from the exact profile below.
 PROFILE_LEAVES = (
+    DiscreteGaussianEvent,
     ReplaceOneSubsampledGaussianEvent,
     FixedBatchGaussianEvent,
     LaplaceEvent,
@@ -137,6 +140,37 @@ def _histogram_sums(leaf: PrivacyLossDistributionEvent) -> tuple[FloatArray, Flo
     return loss, a_suf, g_suf, max(0.0, 1.0 - math.fsum(leaf.probabilities))
 
 
+_DG_MAX_ATOMS = 4_000_000
+
+
+@functools.lru_cache(maxsize=64)
+def _discrete_gaussian_pld(leaf: DiscreteGaussianEvent) -> PrivacyLossDistributionEvent:
+    # Exact PLD of N_Z(0, s^2) against N_Z(D, s^2) (Canonne, Kamath & Steinke 2020): at y the loss is
+    # ((y - D)^2 - y^2) / (2 s^2) with probability exp(-y^2 / (2 s^2)) / Z. Atoms with |y| beyond
+    # 9.7 s (total mass < 1e-20) are left out, i.e. moved to loss +infinity: pessimistic.
+    s, d = leaf.sigma, leaf.sensitivity
+    if s >= 1.0:
+        # Poisson summation: Z = s sqrt(2 pi) sum_k exp(-2 pi^2 s^2 k^2), exactly.
+        k = np.arange(1, 6, dtype=np.float64)
+        log_z = math.log(s * math.sqrt(2.0 * math.pi)) + math.log1p(
+            2.0 * float(np.sum(np.exp(-2.0 * math.pi**2 * s * s * k * k)))
+        )
+    else:
+        y_all = np.arange(-60, 61, dtype=np.float64)
+        log_z = float(special.logsumexp(-(y_all**2) / (2.0 * s * s)))
+    t = math.ceil(s * math.sqrt(2.0 * math.log(1e20))) + 1
+    if 2 * t + 1 > _DG_MAX_ATOMS:
+        raise InvalidParameter(
+            f"{leaf!r} has too many atoms for an exact PLD; use its concentrated-DP bound "
+            "(the 'rdp' accountant)"
+        )
+    y = np.arange(-t, t + 1, dtype=np.float64)
+    p = np.exp(-(y**2) / (2.0 * s * s) - log_z)
+    keep = p > 0.0
+    losses = (d * d - 2.0 * y[keep] * d) / (2.0 * s * s)
+    return PrivacyLossDistributionEvent(tuple(losses.tolist()), tuple(p[keep].tolist()))
+
+
 def _histogram_log_delta(leaf: PrivacyLossDistributionEvent, e: FloatArray) -> FloatArray:
     # delta(eps) = sum_{l_i > eps} p_i (1 - e^{eps - l_i}) + p_inf, from suffix sums over sorted losses.
     loss, a_suf, g_suf, p_inf = _histogram_sums(leaf)
@@ -187,6 +221,8 @@ def leaf_log_delta(leaf: Event, eps: ArrayLike) -> FloatArray:
         return _histogram_log_delta(leaf, e)
     if isinstance(leaf, PrivacyProfileEvent):
         return _profile_log_delta(leaf, e)
+    if isinstance(leaf, DiscreteGaussianEvent):
+        return _histogram_log_delta(_discrete_gaussian_pld(leaf), e)
     a = np.abs(e)
     if isinstance(leaf, LaplaceEvent):
         pos = _laplace_log_delta_pos(leaf.epsilon, a)
@@ -215,6 +251,8 @@ def leaf_loss_range(leaf: Event, tail: float) -> tuple[float, float]:
     if isinstance(leaf, PrivacyProfileEvent):
         m = max(leaf.epsilons) + 1e-9
         return -m, m
+    if isinstance(leaf, DiscreteGaussianEvent):
+        return leaf_loss_range(_discrete_gaussian_pld(leaf), tail)
     z = float(-special.ndtri(tail))
     if isinstance(leaf, ReplaceOneSubsampledGaussianEvent):
         s, q, shift = leaf.noise_multiplier, leaf.sample_rate, 1.0
@@ -241,6 +279,8 @@ def leaf_mu2(leaf: Event) -> float:
         return math.fsum(p * v * v for v, p in zip(leaf.losses, leaf.probabilities, strict=True))
     if isinstance(leaf, PrivacyProfileEvent):
         return max(leaf.epsilons) ** 2
+    if isinstance(leaf, DiscreteGaussianEvent):
+        return (leaf.sensitivity / leaf.sigma) ** 2
     q, s = leaf.sample_rate, leaf.noise_multiplier  # type: ignore[attr-defined]
     if isinstance(leaf, ReplaceOneSubsampledGaussianEvent):
         # Var_{N(0)} of (phi(z+1) - phi(z-1)) / phi(z) = 2 (e^{1/s^2} - e^{-1/s^2})
@@ -385,4 +425,8 @@ def leaf_rdp(leaf: Event, orders: FloatArray) -> FloatArray | None:
         return laplace_rdp(leaf.epsilon, orders)
     if isinstance(leaf, FixedBatchGaussianEvent):
         return fixed_batch_gaussian_rdp(leaf.noise_multiplier, leaf.batch_size, leaf.dataset_size, orders)
+    if isinstance(leaf, DiscreteGaussianEvent):
+        # (D/s)^2 / 2-concentrated DP (Canonne, Kamath & Steinke 2020): D_a <= a D^2 / (2 s^2).
+        out: FloatArray = np.asarray(orders, dtype=np.float64) * leaf.sensitivity**2 / (2.0 * leaf.sigma**2)
+        return out
     return None

@@ -33,6 +33,7 @@ __all__ = [
     "ADD_REMOVE",
     "REPLACE_ONE",
     "ComposedEvent",
+    "DiscreteGaussianEvent",
     "EpsilonDeltaEvent",
     "Event",
     "FixedBatchGaussianEvent",
@@ -246,6 +247,30 @@ class LaplaceEvent(Event):
         return {"type": self.kind, "scale": self.scale, "sensitivity": self.sensitivity}
 
 
+@dataclass(frozen=True)
+class DiscreteGaussianEvent(Event):
+    """One release ``f(D) + Y`` of an integer-valued query, ``Y`` discrete Gaussian on the integers.
+
+    ``P(Y = y)`` is proportional to ``exp(-y^2 / (2 sigma^2))`` (``sigma`` is the parameter, not
+    quite the standard deviation) and ``|f(D) - f(D')| <= sensitivity`` (an integer) under the
+    relation in force: the noise of secure aggregation with integer (modular) arithmetic
+    (Canonne, Kamath & Steinke 2020; Kairouz, Liu & Steinke 2021). Accountants use its exact
+    privacy loss distribution (atoms ``(sensitivity^2 - 2 y sensitivity) / (2 sigma^2)`` with
+    probability ``P(Y = y)``) and, for RDP, its ``(sensitivity / sigma)^2 / 2``-concentrated DP.
+    """
+
+    sigma: float
+    sensitivity: int = 1
+    kind: ClassVar[str] = "discrete_gaussian"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sigma", check_positive("sigma", self.sigma))
+        object.__setattr__(self, "sensitivity", check_count(self.sensitivity, "sensitivity"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.kind, "sigma": self.sigma, "sensitivity": self.sensitivity}
+
+
 def _float_tuple(name: str, values: Any) -> tuple[float, ...]:
     if isinstance(values, str | bytes) or not isinstance(values, Iterable):
         raise TypeError(f"{name} must be a sequence of numbers, got {name}={values!r}")
@@ -420,6 +445,7 @@ _EXTRA_LEAVES = (
     LaplaceEvent,
     PrivacyLossDistributionEvent,
     PrivacyProfileEvent,
+    DiscreteGaussianEvent,
 )
 
 
@@ -469,6 +495,8 @@ def event_from_dict(d: Mapping[str, Any]) -> Event:
         return LaplaceEvent(_field(d, "scale"), d.get("sensitivity", 1.0))
     if kind == PrivacyLossDistributionEvent.kind:
         return PrivacyLossDistributionEvent(_field(d, "losses"), _field(d, "probabilities"))
+    if kind == DiscreteGaussianEvent.kind:
+        return DiscreteGaussianEvent(_field(d, "sigma"), d.get("sensitivity", 1))
     if kind == PrivacyProfileEvent.kind:
         return PrivacyProfileEvent(_field(d, "epsilons"), _field(d, "deltas"))
     if kind == SelfComposedEvent.kind:

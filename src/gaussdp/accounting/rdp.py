@@ -30,6 +30,7 @@ from scipy import special
 from gaussdp.accounting._mechanisms import leaf_rdp
 from gaussdp.accounting.base import Accountant
 from gaussdp.accounting.events import (
+    DiscreteGaussianEvent,
     EpsilonDeltaEvent,
     Event,
     FixedBatchGaussianEvent,
@@ -159,8 +160,8 @@ class RDPAccountant(Accountant):
     def _supports_leaf(self, leaf: Event) -> bool:
         if isinstance(leaf, EpsilonDeltaEvent):
             return leaf.delta == 0.0
-        if isinstance(leaf, FixedBatchGaussianEvent | LaplaceEvent):
-            return True  # Wang, Balle & Kasiviswanathan 2019 Thm 27; Mironov 2017 Prop 6
+        if isinstance(leaf, FixedBatchGaussianEvent | LaplaceEvent | DiscreteGaussianEvent):
+            return True  # Wang, Balle & Kasiviswanathan 2019 Thm 27; Mironov 2017 Prop 6; CKS 2020
         return isinstance(leaf, GaussianEvent | SubsampledGaussianEvent)
 
     def _on_compose(self) -> None:
