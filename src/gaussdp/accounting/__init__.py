@@ -8,6 +8,7 @@ upper bounds on the true epsilon(delta).
 
 from __future__ import annotations
 
+from gaussdp.accounting._dp_accounting import from_dp_event, to_dp_event
 from gaussdp.accounting.advanced import AdvancedComposition
 from gaussdp.accounting.base import (
     Accountant,
@@ -85,7 +86,9 @@ __all__ = [
     "compute_epsilon_from_delta",
     "estimate_noise_scale",
     "event_from_dict",
+    "from_dp_event",
     "neighboring_relation_of",
     "noise_for_epsilon",
+    "to_dp_event",
     "upper_bound_accountant",
 ]
