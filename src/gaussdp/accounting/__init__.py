@@ -9,6 +9,12 @@ upper bounds on the true epsilon(delta).
 from __future__ import annotations
 
 from gaussdp.accounting._dp_accounting import from_dp_event, to_dp_event
+from gaussdp.accounting._schedule import (
+    banded_matrix_factorization_event,
+    noise_scale_for_schedule,
+    scale_noise,
+    tree_aggregation_event,
+)
 from gaussdp.accounting.advanced import AdvancedComposition
 from gaussdp.accounting.base import (
     Accountant,
@@ -81,6 +87,7 @@ __all__ = [
     "accountant",
     "advanced_composition_epsilon",
     "available_accountants",
+    "banded_matrix_factorization_event",
     "basic_composition_epsilon",
     "compute_delta_from_epsilon",
     "compute_epsilon_from_delta",
@@ -89,6 +96,9 @@ __all__ = [
     "from_dp_event",
     "neighboring_relation_of",
     "noise_for_epsilon",
+    "noise_scale_for_schedule",
+    "scale_noise",
     "to_dp_event",
+    "tree_aggregation_event",
     "upper_bound_accountant",
 ]
