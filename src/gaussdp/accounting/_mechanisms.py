@@ -11,21 +11,29 @@ epsilon (``H_a(P||Q) = 1 - a + a H_{1/a}(Q||P)``, and ``H(Q||P) = H(P||Q)`` by s
 so each profile below is written for epsilon >= 0 and extended by :func:`symmetric_log_delta`.
 
 * :class:`LaplaceEvent`: ``delta(eps) = 1 - exp((eps - eps0)/2)`` on ``[-eps0, eps0]``,
-  ``eps0 = sensitivity / scale`` (Koskela, Jalko & Honkela 2020, Section 6.1; dp_accounting's
-  ``LaplacePrivacyLoss``).
+  ``eps0 = sensitivity / scale`` (integrating ``(p - e^eps q)_+`` for the two Laplace densities;
+  the same profile as dp_accounting's ``LaplacePrivacyLoss``).
 * :class:`ReplaceOneSubsampledGaussianEvent`: the pair ``P = (1-q) N(0, s^2) + q N(-1, s^2)``,
-  ``Q = (1-q) N(0, s^2) + q N(1, s^2)`` (dp_accounting ``AdditiveNoisePrivacyLoss``, REPLACE with
-  sampling). Its likelihood ratio is decreasing, so ``delta(eps) = P(Z < z*) - e^eps Q(Z < z*)``
-  with ``z*`` the root of ``P(z) = e^eps Q(z)``, a quadratic in ``e^{z/s^2}`` solved in closed form.
-* :class:`FixedBatchGaussianEvent`: sampling ``b`` of ``n`` without replacement, replace-one. With
-  ``gamma = b/n`` and the Gaussian's replace-one dominating pair ``(N(2), N(0))`` (in units of the
-  clip norm, noise ``s``), the subsampled mechanism is bounded at ``alpha >= 1`` by ``((1-gamma)
-  N(0) + gamma N(2), N(0))`` and at ``alpha < 1`` by the reversed-order pair (Zhu, Dong & Wang 2022,
-  Theorem 11 on sampling without replacement; tight: a dataset whose other records all equal the
-  replacing one attains it). No single *ordered* pair does both, so the composition uses the
-  symmetrised pair whose profile is ``max(delta_remove, delta_add)`` for epsilon >= 0 (Zhu et al.
-  2022, Section 5.3): composing the two asymmetric pairs separately would under-report (Lebeda,
-  Regehr, Kamath & Steinke 2024).
+  ``Q = (1-q) N(0, s^2) + q N(1, s^2)`` that dp_accounting's PLD uses for REPLACE_ONE with Poisson
+  sampling (``AdditiveNoisePrivacyLoss``). It dominates the remove pair ``((1-q) N(0) + q N(1),
+  N(0))`` and the add pair at every order (on ``{P > a Q}`` the difference is the reflected remove
+  difference plus ``a q (N(0) - N(1)) >= 0``), and the tests check it against other replacements
+  ``x -> x'`` in the plane; for general ``x, x'`` gaussdp relies on dp_accounting's analysis. Its
+  likelihood ratio is decreasing, so ``delta(eps) = P(Z < z*) - e^eps Q(Z < z*)`` with ``z*`` the
+  root of ``P(z) = e^eps Q(z)``, a quadratic in ``e^{z/s^2}`` solved in closed form.
+* :class:`FixedBatchGaussianEvent`: sampling ``b`` of ``n`` without replacement, replace-one, noise
+  ``s`` per clip norm, ``gamma = b/n``. Conditioning on the other sampled records and on the record
+  that takes the slot when the changed one is not drawn (joint convexity of ``H_a``), each ordered
+  pair of neighbours is ``A = (1-gamma) mu + gamma nu`` against ``B = (1-gamma) mu + gamma nu'`` with
+  Gaussians ``mu, nu, nu'`` whose means are at most 2 clip norms apart. Advanced joint convexity
+  (Balle, Barthe & Gaboardi 2018) gives, for ``a' = 1 + gamma (a-1) >= 1`` and ``beta = a'/a``,
+  ``H_a'(A||B) = gamma H_a(nu || (1-beta) mu + beta nu') <= gamma H_a(N(2)||N(0)) = H_a'(R)`` with the
+  "remove" pair ``R = ((1-gamma) N(0) + gamma N(2), N(0))``; below order 1 the identity above bounds
+  it by ``R`` in the reverse order (Zhu, Dong & Wang 2022 state the same pairs). A dataset whose other
+  records all equal the replacing one attains ``R``, so the profile is tight. No single *ordered*
+  pair does both, so the composition uses the symmetrised pair whose profile is
+  ``max(delta_R, delta_R-reversed)`` for epsilon >= 0: composing the two asymmetric pairs separately
+  can under-report (Lebeda, Regehr, Kamath & Steinke 2024).
 """
 
 from __future__ import annotations

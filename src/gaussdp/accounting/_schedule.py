@@ -14,8 +14,9 @@
   strategy matrix ``C`` and ``b``-min-separated participation (a record takes part at most ``k``
   times, at steps at least ``b`` apart): the columns a record touches have disjoint row supports, so
   the L2 sensitivity of ``C x`` is ``max over patterns sqrt(sum ||C[:, t]||^2)`` (Choquette-Choo,
-  Ganesh, McKenna, McMahan, Rush, Thakurta & Xu 2023, "(Amplified) Banded Matrix Factorizations",
-  Theorem 2), computed exactly by dynamic programming; the release ``C x + N(0, (noise_multiplier
+  Ganesh, McKenna, McMahan, Rush, Thakurta & Xu 2023, "(Amplified) Banded Matrix Factorizations: A
+  unified approach to private training", the sensitivity of b-banded strategies), computed exactly
+  by dynamic programming; the release ``C x + N(0, (noise_multiplier
   * clip_norm)^2)`` is one Gaussian of noise multiplier ``noise_multiplier / sensitivity``.
 """
 

@@ -226,7 +226,7 @@ class LaplaceEvent(Event):
 
     Pure ``epsilon = sensitivity / scale``-DP under the relation the sensitivity is measured in
     (Dwork, McSherry, Nissim & Smith 2006); accountants use its exact privacy loss distribution
-    (losses in ``[-epsilon, epsilon]``, Koskela, Jalko & Honkela 2020, Section 6.1). dp_accounting's
+    (losses in ``[-epsilon, epsilon]``) and its exact RDP (Mironov 2017, Proposition 6). dp_accounting's
     ``LaplaceDpEvent(noise_multiplier)`` is ``LaplaceEvent(scale=noise_multiplier)``.
     """
 
