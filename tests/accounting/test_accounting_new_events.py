@@ -22,12 +22,11 @@ from gaussdp.accounting import (
     PrivacyProfileEvent,
     ReplaceOneSubsampledGaussianEvent,
     SubsampledGaussianEvent,
-    UnsupportedEvent,
     accountant,
     event_from_dict,
     neighboring_relation_of,
 )
-from gaussdp.accounting._mechanisms import fixed_batch_gaussian_rdp, laplace_rdp, leaf_log_delta
+from gaussdp.accounting._mechanisms import fixed_batch_gaussian_rdp, laplace_rdp, leaf_log_delta, leaf_rdp
 from gaussdp.calibration import epsilon_for_mu
 from gaussdp.errors import InvalidParameter
 
@@ -241,12 +240,32 @@ def test_replace_one_antipodal_pair_dominates_other_replacements():
             assert np.sum(np.maximum(p1 - a * p2, 0)) * d * d <= ref + 1e-7
 
 
-def test_replace_one_needs_pld_and_full_sampling_is_a_gaussian():
-    with pytest.raises(UnsupportedEvent):
-        accountant("rdp").compose(ReplaceOneSubsampledGaussianEvent(1.0, 0.01))
+def test_replace_one_full_sampling_is_a_gaussian():
     got = accountant("pld").compose(ReplaceOneSubsampledGaussianEvent(3.0, 1.0), 4).epsilon(1e-6)
     exact = epsilon_for_mu(mu=2 * 2 / 3.0, delta=1e-6)
     assert exact <= got <= exact * 1.005
+    assert accountant("rdp").compose(ReplaceOneSubsampledGaussianEvent(3.0, 1.0), 4).epsilon(1e-6) >= exact
+
+
+@pytest.mark.parametrize(
+    ("sigma", "q", "alpha"), [(1.1, 0.01, 2.0), (0.5, 0.2, 1.5), (3.0, 0.5, 20.0), (0.8, 0.05, 64.0)]
+)
+def test_replace_one_rdp_matches_mpmath_quadrature(sigma, q, alpha):
+    mp.mp.dps = 50
+    s = mp.mpf(sigma)
+    p = lambda z: (1 - q) * mp.npdf(z, 0, s) + q * mp.npdf(z, -1, s)  # noqa: E731
+    r = lambda z: (1 - q) * mp.npdf(z, 0, s) + q * mp.npdf(z, 1, s)  # noqa: E731
+    cuts = [-mp.inf, -alpha / sigma**2 - 20 * sigma, -5, -1, 0, 1, 5, mp.inf]
+    exact = float(mp.log(mp.quad(lambda z: p(z) ** alpha * r(z) ** (1 - alpha), cuts)) / (alpha - 1))
+    got = leaf_rdp(ReplaceOneSubsampledGaussianEvent(sigma, q), np.asarray([alpha]))
+    assert got is not None and got[0] == pytest.approx(exact, rel=1e-8)
+
+
+def test_replace_one_rdp_is_above_pld():
+    ev = ReplaceOneSubsampledGaussianEvent(SIGMA, Q)
+    rdp = accountant("rdp").compose(ev, STEPS).epsilon(1e-5)
+    pld = accountant("pld").compose(ev, STEPS).epsilon(1e-5)
+    assert pld <= rdp <= pld * 1.15
 
 
 # ----- Laplace -------------------------------------------------------------------------------------

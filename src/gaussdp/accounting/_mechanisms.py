@@ -427,12 +427,38 @@ def fixed_batch_gaussian_rdp(
     )
 
 
+@functools.lru_cache(maxsize=256)
+def _replace_one_rdp_cached(sigma: float, q: float, orders: tuple[float, ...]) -> tuple[float, ...]:
+    # D_a(P||Q) for P = (1-q) N(0) + q N(-1), Q = (1-q) N(0) + q N(1) (noise sigma); the pair is
+    # symmetric, so this is the RDP of both orders of neighbours. The integrand P^a Q^(1-a) is
+    # analytic with Gaussian tails: the trapezoid rule on a wide grid is accurate to rounding (as for
+    # the fractional orders of rdp._log_a_frac), checked against mpmath in the tests.
+    if q >= 1.0:
+        return tuple(a * 2.0 / (sigma * sigma) for a in orders)  # N(-1) vs N(1): a 2^2 / (2 sigma^2)
+    out = []
+    log1mq, log_q = math.log1p(-q), math.log(q)
+    for a in orders:
+        half = 40.0 * sigma + 2.0 * a / (sigma * sigma) + 2.0
+        n = math.ceil(2.0 * half / (sigma / 40.0)) + 1
+        z = np.linspace(-half, half, n)
+        step = 2.0 * half / (n - 1)
+        log_n0 = -(z * z) / (2.0 * sigma * sigma) - math.log(sigma * math.sqrt(2.0 * math.pi))
+        log_p = log_n0 + np.logaddexp(log1mq, log_q + (-2.0 * z - 1.0) / (2.0 * sigma * sigma))
+        log_r = log_n0 + np.logaddexp(log1mq, log_q + (2.0 * z - 1.0) / (2.0 * sigma * sigma))
+        log_int = float(special.logsumexp(a * log_p + (1.0 - a) * log_r) + math.log(step))
+        out.append(log_int / (a - 1.0) if math.isfinite(log_int) else math.inf)
+    return tuple(max(0.0, v) for v in out)
+
+
 def leaf_rdp(leaf: Event, orders: FloatArray) -> FloatArray | None:
     """RDP of one release of ``leaf`` at ``orders``, or ``None`` where gaussdp has no RDP bound for it."""
     if isinstance(leaf, LaplaceEvent):
         return laplace_rdp(leaf.epsilon, orders)
     if isinstance(leaf, FixedBatchGaussianEvent):
         return fixed_batch_gaussian_rdp(leaf.noise_multiplier, leaf.batch_size, leaf.dataset_size, orders)
+    if isinstance(leaf, ReplaceOneSubsampledGaussianEvent):
+        o = tuple(float(a) for a in np.atleast_1d(orders))
+        return np.asarray(_replace_one_rdp_cached(leaf.noise_multiplier, leaf.sample_rate, o))
     if isinstance(leaf, DiscreteGaussianEvent):
         # (D/s)^2 / 2-concentrated DP (Canonne, Kamath & Steinke 2020): D_a <= a D^2 / (2 s^2).
         out: FloatArray = np.asarray(orders, dtype=np.float64) * leaf.sensitivity**2 / (2.0 * leaf.sigma**2)

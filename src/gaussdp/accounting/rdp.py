@@ -36,6 +36,7 @@ from gaussdp.accounting.events import (
     FixedBatchGaussianEvent,
     GaussianEvent,
     LaplaceEvent,
+    ReplaceOneSubsampledGaussianEvent,
     SubsampledGaussianEvent,
 )
 from gaussdp.calibration import delta_for_mu, epsilon_for_mu
@@ -160,7 +161,13 @@ class RDPAccountant(Accountant):
     def _supports_leaf(self, leaf: Event) -> bool:
         if isinstance(leaf, EpsilonDeltaEvent):
             return leaf.delta == 0.0
-        if isinstance(leaf, FixedBatchGaussianEvent | LaplaceEvent | DiscreteGaussianEvent):
+        if isinstance(
+            leaf,
+            FixedBatchGaussianEvent
+            | LaplaceEvent
+            | DiscreteGaussianEvent
+            | ReplaceOneSubsampledGaussianEvent,
+        ):
             return True  # Wang, Balle & Kasiviswanathan 2019 Thm 27; Mironov 2017 Prop 6; CKS 2020
         return isinstance(leaf, GaussianEvent | SubsampledGaussianEvent)
 
