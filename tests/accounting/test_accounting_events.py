@@ -77,7 +77,7 @@ def test_type_errors():
 
 def test_event_from_dict_rejects_unknown_and_incomplete():
     with pytest.raises(InvalidParameter, match="unknown event type"):
-        event_from_dict({"type": "laplace", "scale": 1.0})
+        event_from_dict({"type": "zcdp", "rho": 1.0})
     with pytest.raises(InvalidParameter, match="noise_multiplier"):
         event_from_dict({"type": "gaussian"})
     with pytest.raises(InvalidParameter):

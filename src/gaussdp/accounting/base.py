@@ -1,8 +1,10 @@
 """The accountant interface every backend implements, and the ``accountant(name)`` factory.
 
 An accountant turns the events composed into it into a privacy profile: ``epsilon(delta)`` and
-``delta(epsilon)``, always an upper bound on the true one (never below it), under add/remove of one
-record (the neighbouring relation of every gaussdp accountant; see :mod:`gaussdp.accounting.events`).
+``delta(epsilon)``, always an upper bound on the true one (never below it), under the neighbouring
+relation its events fix: add/remove of one record (Poisson-subsampled steps), replace-one (fixed-size
+batches), or the one the sensitivities of relation-free events are measured in. An accountant
+refuses to compose events of both relations (see :mod:`gaussdp.accounting.events`).
 
 Composition is commutative, so an accountant keeps the *multiset* of events (a dict from leaf event
 to its total count) plus a run-length history for reports: composing one more step costs O(1), and
@@ -26,6 +28,7 @@ from gaussdp.accounting.events import (
     SubsampledGaussianEvent,
     check_count,
     flatten_event,
+    neighboring_relation_of,
 )
 from gaussdp.errors import InvalidParameter
 
@@ -60,6 +63,12 @@ class Accountant(abc.ABC):
         self._counts: dict[Event, int] = {}
         self._history: list[tuple[Event, int]] = []
         self._cache: dict[tuple[str, float], float] = {}
+        self._relation: str | None = None
+
+    @property
+    def neighboring_relation(self) -> str | None:
+        """``"add_remove"`` or ``"replace_one"`` once an event fixing it is composed, else ``None``."""
+        return self._relation
 
     # ----- composition -------------------------------------------------------------------------
     def compose(self, event: Event, count: int = 1) -> Self:
@@ -74,6 +83,13 @@ class Accountant(abc.ABC):
         for leaf, _ in leaves:
             if not self._supports_leaf(leaf):
                 raise UnsupportedEvent(f"the {self.name!r} accountant cannot bound {leaf!r}")
+        relation = neighboring_relation_of(event) or self._relation
+        if self._relation is not None and relation != self._relation:
+            raise InvalidParameter(
+                f"cannot compose a {relation} event into an accountant holding {self._relation} "
+                "events: the two guarantees do not compose into either"
+            )
+        self._relation = relation
         for leaf, c in leaves:
             self._counts[leaf] = self._counts.get(leaf, 0) + c
             if self._history and self._history[-1][0] == leaf:
@@ -87,6 +103,9 @@ class Accountant(abc.ABC):
     def supports(self, event: Event) -> bool:
         """Whether :meth:`compose` would accept ``event``."""
         try:
+            relation = neighboring_relation_of(event)
+            if None not in (relation, self._relation) and relation != self._relation:
+                return False
             return all(self._supports_leaf(leaf) for leaf, _ in flatten_event(event))
         except (TypeError, InvalidParameter):
             return False

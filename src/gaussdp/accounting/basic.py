@@ -12,8 +12,9 @@ import math
 
 from scipy import optimize
 
+from gaussdp.accounting._mechanisms import PROFILE_LEAVES, leaf_log_delta
 from gaussdp.accounting._profiles import gaussian_epsilon, subsampled_epsilon
-from gaussdp.accounting.base import Accountant, fixed_leaves
+from gaussdp.accounting.base import Accountant, fixed_leaves, invert_delta
 from gaussdp.accounting.events import EpsilonDeltaEvent, Event, GaussianEvent, SubsampledGaussianEvent
 from gaussdp.errors import InvalidParameter
 
@@ -27,6 +28,8 @@ def leaf_epsilon(leaf: Event, delta: float) -> float:
         return gaussian_epsilon(leaf.noise_multiplier, delta)
     if isinstance(leaf, SubsampledGaussianEvent):
         return subsampled_epsilon(leaf.noise_multiplier, leaf.sample_rate, delta)
+    if isinstance(leaf, PROFILE_LEAVES):
+        return invert_delta(lambda e: math.exp(float(leaf_log_delta(leaf, e)[0])), delta)
     raise InvalidParameter(f"no single-release profile for {leaf!r}")
 
 
@@ -41,7 +44,7 @@ class BasicComposition(Accountant):
     name = "basic"
 
     def _supports_leaf(self, leaf: Event) -> bool:
-        return isinstance(leaf, GaussianEvent | SubsampledGaussianEvent | EpsilonDeltaEvent)
+        return isinstance(leaf, (GaussianEvent, SubsampledGaussianEvent, EpsilonDeltaEvent, *PROFILE_LEAVES))
 
     def _split(self) -> tuple[float, float, list[tuple[Event, int]], int]:
         fixed = fixed_leaves(self._counts)

@@ -5,14 +5,22 @@ event is a frozen dataclass, validated on construction, hashable (so accountants
 and round-trips through plain JSON-able dicts (``to_dict()`` / :func:`event_from_dict`) so that a
 ledger can store it in a database.
 
-Neighbouring relation: **add/remove of one record**, in every event and every accountant of
-gaussdp. For a Gaussian event the query has L2 sensitivity 1 under that relation once the noise is
-expressed as a noise multiplier (sigma / sensitivity). Under replace-one (substitution) the
-sensitivity of a clipped sum doubles; express that by halving the noise multiplier.
+Neighbouring relation: **add/remove of one record** unless an event says otherwise. Each event
+class declares ``neighboring_relation``: ``"add_remove"`` (Poisson-subsampled Gaussian steps),
+``"replace_one"`` (fixed-size batches, replace-one Poisson steps: the dataset size is public and one
+record is substituted), or ``None`` for mechanisms whose guarantee is stated in terms of the
+sensitivity under whichever relation the composition uses (Gaussian, Laplace, discrete Gaussian,
+(epsilon, delta), privacy-loss histograms). An accountant refuses to compose events of both
+relations. For a Gaussian event the query has L2 sensitivity 1 under the relation in force once the
+noise is expressed as a noise multiplier (sigma / sensitivity); under replace-one the sensitivity of
+a clipped sum is twice the clip norm, so a :class:`GaussianEvent` for such a sum carries half the
+noise multiplier. The replace-one *sampled* events below instead take the DP-SGD noise multiplier
+(noise standard deviation / clip norm) and account for the doubling themselves.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -22,21 +30,36 @@ from gaussdp._validate import check_delta, check_positive, check_probability, re
 from gaussdp.errors import InvalidParameter
 
 __all__ = [
+    "ADD_REMOVE",
+    "REPLACE_ONE",
     "ComposedEvent",
+    "DiscreteGaussianEvent",
     "EpsilonDeltaEvent",
     "Event",
+    "FixedBatchGaussianEvent",
     "GaussianEvent",
+    "LaplaceEvent",
+    "PrivacyLossDistributionEvent",
+    "PrivacyProfileEvent",
+    "ReplaceOneSubsampledGaussianEvent",
     "SelfComposedEvent",
     "SubsampledGaussianEvent",
     "event_from_dict",
     "flatten_event",
+    "neighboring_relation_of",
 ]
+
+ADD_REMOVE = "add_remove"
+REPLACE_ONE = "replace_one"
 
 
 class Event:
     """Base class of every event. Subclasses are frozen dataclasses with a ``kind`` tag."""
 
     kind: ClassVar[str] = "event"
+    #: The neighbouring relation the event's guarantee is stated under; ``None``: whichever the
+    #: composition uses (the mechanism is described through its sensitivity under that relation).
+    neighboring_relation: ClassVar[str | None] = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict that :func:`event_from_dict` turns back into an equal event."""
@@ -75,6 +98,7 @@ class SubsampledGaussianEvent(Event):
     noise_multiplier: float
     sample_rate: float
     kind: ClassVar[str] = "subsampled_gaussian"
+    neighboring_relation: ClassVar[str | None] = ADD_REMOVE
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -115,6 +139,237 @@ class EpsilonDeltaEvent(Event):
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.kind, "epsilon": self.epsilon, "delta": self.delta}
+
+
+@dataclass(frozen=True)
+class ReplaceOneSubsampledGaussianEvent(Event):
+    """A DP-SGD step on a Poisson subsample, under **replace-one** (substitution) neighbours.
+
+    Each record is included independently with probability ``sample_rate``; the clipped (L2 norm
+    at most ``clip_norm``) contributions of the included records are summed and
+    ``N(0, (noise_multiplier * clip_norm)^2 I)`` is added. ``noise_multiplier`` is the DP-SGD one
+    (noise standard deviation / clip norm): replacing a record moves its contribution by up to
+    ``2 * clip_norm``, which this event accounts for. Dominating pair: ``(1-q) N(0, s^2) + q N(-1,
+    s^2)`` against ``(1-q) N(0, s^2) + q N(1, s^2)`` with ``s = noise_multiplier`` (the pair
+    dp_accounting's PLD uses for ``PoissonSampledDpEvent`` under ``REPLACE_ONE``).
+    """
+
+    noise_multiplier: float
+    sample_rate: float
+    kind: ClassVar[str] = "replace_one_subsampled_gaussian"
+    neighboring_relation: ClassVar[str | None] = REPLACE_ONE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "noise_multiplier", check_positive("noise_multiplier", self.noise_multiplier)
+        )
+        object.__setattr__(self, "sample_rate", check_probability("sample_rate", self.sample_rate))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": self.kind,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+        }
+
+
+@dataclass(frozen=True)
+class FixedBatchGaussianEvent(Event):
+    """A DP-SGD step on a fixed-size batch drawn without replacement, under replace-one neighbours.
+
+    ``batch_size`` records are drawn uniformly without replacement from the ``dataset_size``
+    records (shuffled fixed batches; a federated cohort of fixed size); their clipped contributions
+    (L2 norm at most ``clip_norm``) are summed and ``N(0, (noise_multiplier * clip_norm)^2 I)`` is
+    added. The dataset size is public, so the neighbouring relation is **replace-one**: ``noise_
+    multiplier`` is the DP-SGD one (std / clip norm), and a replacement moves the sum by up to
+    ``2 * clip_norm``. (dp_accounting's ``SampledWithoutReplacementDpEvent(dataset_size,
+    batch_size, GaussianDpEvent(noise_multiplier / 2))`` describes the same step: its noise
+    multiplier is relative to the replace-one sensitivity ``2 * clip_norm``.)
+    """
+
+    noise_multiplier: float
+    batch_size: int
+    dataset_size: int
+    kind: ClassVar[str] = "fixed_batch_gaussian"
+    neighboring_relation: ClassVar[str | None] = REPLACE_ONE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "noise_multiplier", check_positive("noise_multiplier", self.noise_multiplier)
+        )
+        b = check_count(self.batch_size, "batch_size")
+        n = check_count(self.dataset_size, "dataset_size")
+        if b > n:
+            raise InvalidParameter(
+                f"batch_size must be <= dataset_size, got batch_size={b!r}, dataset_size={n!r}"
+            )
+        object.__setattr__(self, "batch_size", b)
+        object.__setattr__(self, "dataset_size", n)
+
+    @property
+    def sample_rate(self) -> float:
+        """The probability ``batch_size / dataset_size`` that a given record is in the batch."""
+        return self.batch_size / self.dataset_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": self.kind,
+            "noise_multiplier": self.noise_multiplier,
+            "batch_size": self.batch_size,
+            "dataset_size": self.dataset_size,
+        }
+
+
+@dataclass(frozen=True)
+class LaplaceEvent(Event):
+    """One release ``f(D) + Laplace(scale)`` per coordinate of a query of L1 sensitivity ``sensitivity``.
+
+    Pure ``epsilon = sensitivity / scale``-DP under the relation the sensitivity is measured in
+    (Dwork, McSherry, Nissim & Smith 2006); accountants use its exact privacy loss distribution
+    (losses in ``[-epsilon, epsilon]``) and its exact RDP (Mironov 2017, Proposition 6). dp_accounting's
+    ``LaplaceDpEvent(noise_multiplier)`` is ``LaplaceEvent(scale=noise_multiplier)``.
+    """
+
+    scale: float
+    sensitivity: float = 1.0
+    kind: ClassVar[str] = "laplace"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "scale", check_positive("scale", self.scale))
+        object.__setattr__(self, "sensitivity", check_positive("sensitivity", self.sensitivity))
+
+    @property
+    def epsilon(self) -> float:
+        """The pure-DP epsilon ``sensitivity / scale`` (the largest privacy loss)."""
+        return self.sensitivity / self.scale
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.kind, "scale": self.scale, "sensitivity": self.sensitivity}
+
+
+@dataclass(frozen=True)
+class DiscreteGaussianEvent(Event):
+    """One release ``f(D) + Y`` of an integer-valued query, ``Y`` discrete Gaussian on the integers.
+
+    ``P(Y = y)`` is proportional to ``exp(-y^2 / (2 sigma^2))`` (``sigma`` is the parameter, not
+    quite the standard deviation) and ``|f(D) - f(D')| <= sensitivity`` (an integer) under the
+    relation in force: the noise of secure aggregation with integer (modular) arithmetic
+    (Canonne, Kamath & Steinke 2020; Kairouz, Liu & Steinke 2021). Accountants use its exact
+    privacy loss distribution (atoms ``(sensitivity^2 - 2 y sensitivity) / (2 sigma^2)`` with
+    probability ``P(Y = y)``) and, for RDP, its ``(sensitivity / sigma)^2 / 2``-concentrated DP.
+    """
+
+    sigma: float
+    sensitivity: int = 1
+    kind: ClassVar[str] = "discrete_gaussian"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sigma", check_positive("sigma", self.sigma))
+        object.__setattr__(self, "sensitivity", check_count(self.sensitivity, "sensitivity"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.kind, "sigma": self.sigma, "sensitivity": self.sensitivity}
+
+
+def _float_tuple(name: str, values: Any) -> tuple[float, ...]:
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be a sequence of numbers, got {name}={values!r}")
+    out = tuple(real_number(f"{name}[{i}]", v) for i, v in enumerate(values))
+    if not out:
+        raise InvalidParameter(f"{name} must not be empty")
+    return out
+
+
+@dataclass(frozen=True)
+class PrivacyLossDistributionEvent(Event):
+    """A mechanism given by the privacy loss distribution of a dominating pair ``(P, Q)``.
+
+    Mass ``probabilities[i]`` at privacy loss ``losses[i] = ln(P(o)/Q(o))`` (o drawn from P); the
+    rest of P's mass, ``1 - sum(probabilities)``, is at loss +infinity. The pair must dominate the
+    mechanism for *every ordered* pair of neighbours (``H_a(M(D)||M(D')) <= H_a(P||Q)`` for all a >=
+    0), as dp_accounting's PLDs do; it is checked to be a valid PLD (``E[e^-L] <= 1``). The PLD
+    accountant discretises its exact profile ``delta(eps) = sum_i p_i (1 - e^{eps - l_i})_+ + p_inf``
+    pessimistically (connect the dots), so the answer stays an upper bound.
+    """
+
+    losses: tuple[float, ...]
+    probabilities: tuple[float, ...]
+    kind: ClassVar[str] = "privacy_loss_distribution"
+
+    def __post_init__(self) -> None:
+        losses = _float_tuple("losses", self.losses)
+        probs = _float_tuple("probabilities", self.probabilities)
+        if len(losses) != len(probs):
+            raise InvalidParameter(
+                f"losses and probabilities must have the same length, got {len(losses)} and {len(probs)}"
+            )
+        if any(not math.isfinite(v) for v in losses):
+            raise InvalidParameter("losses must be finite (leave the mass at +infinity out)")
+        if any(not (0.0 <= p <= 1.0) for p in probs) or math.fsum(probs) > 1.0 + 1e-12:
+            raise InvalidParameter(
+                f"probabilities must be in [0, 1] and sum to <= 1, got sum={math.fsum(probs)!r}"
+            )
+        if math.fsum(p * math.exp(-min(v, 700.0)) for v, p in zip(losses, probs, strict=True)) > 1.0 + 1e-9:
+            raise InvalidParameter(
+                "not a privacy loss distribution: E[exp(-loss)] > 1 (Q would have mass > 1)"
+            )
+        object.__setattr__(self, "losses", losses)
+        object.__setattr__(self, "probabilities", probs)
+
+    @classmethod
+    def from_probability_mass_functions(
+        cls, p: Iterable[float], q: Iterable[float]
+    ) -> PrivacyLossDistributionEvent:
+        """The PLD of the pair (P, Q) of probability vectors on the same finite outcomes.
+
+        Outcomes where Q is 0 and P is not carry loss +infinity; where P is 0 they carry no mass.
+        """
+        pp, qq = _float_tuple("p", p), _float_tuple("q", q)
+        if len(pp) != len(qq):
+            raise InvalidParameter(f"p and q must have the same length, got {len(pp)} and {len(qq)}")
+        if any(v < 0 for v in pp + qq) or math.fsum(pp) > 1 + 1e-12 or math.fsum(qq) > 1 + 1e-12:
+            raise InvalidParameter("p and q must be probability vectors")
+        pairs = [(math.log(a) - math.log(b), a) for a, b in zip(pp, qq, strict=True) if a > 0 and b > 0]
+        if not pairs:
+            raise InvalidParameter("P and Q have no outcome in common: the mechanism is not private")
+        return cls(tuple(v for v, _ in pairs), tuple(w for _, w in pairs))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.kind, "losses": list(self.losses), "probabilities": list(self.probabilities)}
+
+
+@dataclass(frozen=True)
+class PrivacyProfileEvent(Event):
+    """A mechanism known only to be ``(epsilons[i], deltas[i])``-DP for every i (a sampled profile).
+
+    The accountants use the least private mechanism with that guarantee: the tight pair of the
+    trade-off function ``max_i f_{eps_i, delta_i}`` (Kairouz, Oh & Viswanath 2015 for one pair),
+    whose privacy profile, as a function of ``e^eps``, is the lower convex hull of the points, of
+    ``(0, 1)`` and of their mirror images ``(e^-eps_i, 1 - e^-eps_i (1 - delta_i))``, flat beyond
+    the last point. Any epsilon-delta curve a user holds (a profile from another library, a table)
+    composes through it, and the result stays an upper bound.
+    """
+
+    epsilons: tuple[float, ...]
+    deltas: tuple[float, ...]
+    kind: ClassVar[str] = "privacy_profile"
+
+    def __post_init__(self) -> None:
+        eps = _float_tuple("epsilons", self.epsilons)
+        dl = _float_tuple("deltas", self.deltas)
+        if len(eps) != len(dl):
+            raise InvalidParameter(
+                f"epsilons and deltas must have the same length, got {len(eps)} and {len(dl)}"
+            )
+        if any(not (0.0 <= e <= 700.0) for e in eps):
+            raise InvalidParameter("epsilons must be in [0, 700]")
+        if any(not (0.0 <= d < 1.0) for d in dl):
+            raise InvalidParameter("deltas must be in [0, 1)")
+        object.__setattr__(self, "epsilons", eps)
+        object.__setattr__(self, "deltas", dl)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.kind, "epsilons": list(self.epsilons), "deltas": list(self.deltas)}
 
 
 @dataclass(frozen=True)
@@ -176,10 +431,37 @@ def flatten_event(event: Event, count: int = 1) -> Iterator[tuple[Event, int]]:
         yield GaussianEvent(event.noise_multiplier), count
     elif isinstance(event, GaussianEvent | SubsampledGaussianEvent | EpsilonDeltaEvent):
         yield event, count
+    elif isinstance(event, _EXTRA_LEAVES):
+        yield event, count
     elif isinstance(event, Event):
         raise InvalidParameter(f"unknown event type {type(event).__name__}")
     else:
         raise TypeError(f"event must be a gaussdp Event, got event={event!r}")
+
+
+_EXTRA_LEAVES = (
+    ReplaceOneSubsampledGaussianEvent,
+    FixedBatchGaussianEvent,
+    LaplaceEvent,
+    PrivacyLossDistributionEvent,
+    PrivacyProfileEvent,
+    DiscreteGaussianEvent,
+)
+
+
+def neighboring_relation_of(event: Event) -> str | None:
+    """The neighbouring relation ``event``'s leaves fix (``None``: any), refusing a mix of both.
+
+    Raises:
+        InvalidParameter: the event mixes add/remove and replace-one leaves.
+    """
+    rels = {leaf.neighboring_relation for leaf, _ in flatten_event(event)} - {None}
+    if len(rels) > 1:
+        raise InvalidParameter(
+            f"event mixes neighbouring relations {sorted(r for r in rels if r)}: an add/remove "
+            "guarantee and a replace-one guarantee do not compose into either"
+        )
+    return rels.pop() if rels else None
 
 
 def _field(d: Mapping[str, Any], key: str) -> Any:
@@ -203,6 +485,20 @@ def event_from_dict(d: Mapping[str, Any]) -> Event:
         return SubsampledGaussianEvent(_field(d, "noise_multiplier"), _field(d, "sample_rate"))
     if kind == EpsilonDeltaEvent.kind:
         return EpsilonDeltaEvent(_field(d, "epsilon"), d.get("delta", 0.0))
+    if kind == ReplaceOneSubsampledGaussianEvent.kind:
+        return ReplaceOneSubsampledGaussianEvent(_field(d, "noise_multiplier"), _field(d, "sample_rate"))
+    if kind == FixedBatchGaussianEvent.kind:
+        return FixedBatchGaussianEvent(
+            _field(d, "noise_multiplier"), _field(d, "batch_size"), _field(d, "dataset_size")
+        )
+    if kind == LaplaceEvent.kind:
+        return LaplaceEvent(_field(d, "scale"), d.get("sensitivity", 1.0))
+    if kind == PrivacyLossDistributionEvent.kind:
+        return PrivacyLossDistributionEvent(_field(d, "losses"), _field(d, "probabilities"))
+    if kind == DiscreteGaussianEvent.kind:
+        return DiscreteGaussianEvent(_field(d, "sigma"), d.get("sensitivity", 1))
+    if kind == PrivacyProfileEvent.kind:
+        return PrivacyProfileEvent(_field(d, "epsilons"), _field(d, "deltas"))
     if kind == SelfComposedEvent.kind:
         return SelfComposedEvent(event_from_dict(_field(d, "event")), _field(d, "count"))
     if kind == ComposedEvent.kind:

@@ -27,8 +27,18 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy import special
 
+from gaussdp.accounting._mechanisms import leaf_rdp
 from gaussdp.accounting.base import Accountant
-from gaussdp.accounting.events import EpsilonDeltaEvent, Event, GaussianEvent, SubsampledGaussianEvent
+from gaussdp.accounting.events import (
+    DiscreteGaussianEvent,
+    EpsilonDeltaEvent,
+    Event,
+    FixedBatchGaussianEvent,
+    GaussianEvent,
+    LaplaceEvent,
+    ReplaceOneSubsampledGaussianEvent,
+    SubsampledGaussianEvent,
+)
 from gaussdp.calibration import delta_for_mu, epsilon_for_mu
 from gaussdp.errors import InvalidParameter
 
@@ -201,6 +211,14 @@ class RDPAccountant(Accountant):
     def _supports_leaf(self, leaf: Event) -> bool:
         if isinstance(leaf, EpsilonDeltaEvent):
             return leaf.delta == 0.0
+        if isinstance(
+            leaf,
+            FixedBatchGaussianEvent
+            | LaplaceEvent
+            | DiscreteGaussianEvent
+            | ReplaceOneSubsampledGaussianEvent,
+        ):
+            return True  # Wang, Balle & Kasiviswanathan 2019 Thm 27; Mironov 2017 Prop 6; CKS 2020
         return isinstance(leaf, GaussianEvent | SubsampledGaussianEvent)
 
     def _on_compose(self) -> None:
@@ -217,6 +235,11 @@ class RDPAccountant(Accountant):
                     total += c * subsampled_gaussian_rdp(e.noise_multiplier, e.sample_rate, self._orders)
                 elif isinstance(e, EpsilonDeltaEvent):
                     total += c * np.minimum(e.epsilon, self._orders_arr * e.epsilon**2 / 2.0)
+                else:
+                    r = leaf_rdp(e, self._orders_arr)
+                    if r is None:
+                        raise InvalidParameter(f"no RDP bound for {e!r}")
+                    total += c * r
             self._rdp = total
         return self._rdp
 
