@@ -375,3 +375,25 @@ def test_imdb_example(monkeypatch, tmp_path):
     assert exact * (1 - 1e-9) <= eps <= exact * 1.005, (eps, exact)
     accuracy = torch.load(tmp_path / "run_results_imdb_classification.pt", weights_only=False)
     assert accuracy > 0.65  # 2 classes: chance is 1/2 (std 0.044 on 128 test reviews)
+
+
+# ------------------------------------------------------------------------- BERT tutorial
+@pytest.mark.slow
+def test_building_text_classifier_tutorial(monkeypatch, tmp_path):
+    """The tutorial's three trainings: BERT's last layer with BatchMemoryManager (physical batches
+    of 8 in Poisson batches of 32), with fast gradient clipping (criterion, "ghost"), and LoRA
+    adapters; each made private for epsilon 7.5 over its epochs. (The tiny BERT barely learns in
+    16 steps: no accuracy is claimed here; the CNN, LSTM and IMDb examples check it.)"""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    import runpy
+
+    monkeypatch.chdir(tmp_path)
+    tutorial = runpy.run_path(str(EXAMPLES / "building_text_classifier.py"), run_name="tutorial")
+    epochs, target, delta = tutorial["EPOCHS"], tutorial["EPSILON"], tutorial["DELTA"]
+    for name in ("bmm_engine", "ghost_engine", "lora_engine"):
+        engine = tutorial[name]
+        assert engine.steps == epochs * round(1 / engine.sample_rate), name
+        eps = _check_poisson_epsilon(engine, sigma=engine.noise_multiplier, delta=delta)
+        assert 0.97 * target < eps <= target, (name, eps)  # the noise was calibrated to the target
+    # that each training moved its trainable parameters is checked by the DP optimizer's first step
