@@ -326,6 +326,10 @@ def test_adaptive_clipping_charges_both_releases_at_the_given_multiplier():
     ref = _pld(accounting.SubsampledGaussianEvent(z, loader.sample_rate), 8)
     assert engine.get_epsilon(1e-5) == pytest.approx(ref, rel=1e-9)
     assert opt.max_grad_norm < 50.0 * math.exp(-0.5 * 0.2 * 8)  # moved down at every step
+    opt.noise_multiplier = 8.0  # as large as the count's budget: refused before any charge
+    with pytest.raises(InvalidParameter, match="noise_multiplier < 2"):
+        opt.step()
+    assert engine.steps == 8
     with pytest.raises(InvalidParameter, match="noise_multiplier < 2 \\* unclipped_num_std"):
         _private(sigma=2.0, clipping="adaptive", **_adaptive(unclipped_num_std=1.0))
     with pytest.raises(TypeError, match="needs the arguments"):

@@ -77,11 +77,15 @@ class AdaptiveClipping:
                 f"max_clipbound={max_clipbound!r}"
             )
         self.unclipped_num_std = check_positive("unclipped_num_std", unclipped_num_std)
+        self.check(z)
+
+    def check(self, z: float) -> None:
+        """Refuse a multiplier ``z`` that the count's noise alone would exceed."""
         if not z < 2.0 * self.unclipped_num_std:
             raise InvalidParameter(
                 f"clipping='adaptive' needs noise_multiplier < 2 * unclipped_num_std, got "
-                f"noise_multiplier={z!r}, unclipped_num_std={unclipped_num_std!r}: the count's noise "
-                "alone would spend more than the whole step's budget"
+                f"noise_multiplier={z!r}, unclipped_num_std={self.unclipped_num_std!r}: the count's "
+                "noise alone would spend more than the whole step's budget"
             )
 
     def gradient_multiplier(self, z: float) -> float:
@@ -325,6 +329,8 @@ class DPOptimizer(Optimizer):
         self._last_step_skipped = False
         self._check_samples()
         sigma = check_nonnegative("noise_multiplier", self.noise_multiplier)  # nothing charged yet
+        if self.adaptive is not None and sigma > 0:
+            self.adaptive.check(sigma)  # a multiplier set since make_private: before any charge
         self._on_step(sigma)  # charge before release, at the multiplier the noise uses
         noisy = self._noisy_sums()
         count = self._noisy_unclipped_count(sigma)
