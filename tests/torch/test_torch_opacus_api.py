@@ -441,3 +441,29 @@ def test_fixed_batches_make_private_with_epsilon_meets_the_target():
     )
     _train(model, opt, loader, 8)
     assert 2.9 < engine.get_epsilon(1e-5) <= 3.0
+
+
+def test_fixed_batches_with_batch_memory_manager():
+    """imdb.py's loader (poisson_sampling=False) split by BatchMemoryManager: one step per batch of
+    the loader, the pass charged once; two batches in one step are still refused."""
+    sigma = 1.0
+    engine, model, opt, loader = _fixed(sigma)
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=5, optimizer=opt) as batches:
+        assert len(batches) == 4 * 4
+        for x, y in batches:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert engine.steps == 4
+    assert engine.get_epsilon(1e-5) == pytest.approx(_pld(accounting.GaussianEvent(sigma / 2), 1), rel=1e-9)
+    it = iter(loader)
+    for _ in range(2):
+        opt.signal_skip_step(do_skip=True)
+        x, y = next(it)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    opt.zero_grad()
+    x, y = next(it)
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(UnsafeInput, match="more than one batch"):
+        opt.step()
