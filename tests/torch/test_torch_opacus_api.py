@@ -467,3 +467,29 @@ def test_fixed_batches_with_batch_memory_manager():
     nn.functional.cross_entropy(model(x), y).backward()
     with pytest.raises(UnsafeInput, match="more than one batch"):
         opt.step()
+
+
+def test_adaptive_clipping_count_noise_has_the_stated_std():
+    """The noisy count is released through the bound's update: with no samples the count is its
+    noise alone, N(0, unclipped_num_std^2), read back from C'/C. 400 draws: the sample std within
+    5 standard errors (false alarm about 6e-7)."""
+    s, lr = 3.0, 0.01
+    model = nn.Linear(2, 1)
+    engine, _, opt, _ = _private(
+        model=model,
+        sigma=1.0,
+        clip=1.0,
+        clipping="adaptive",
+        **_adaptive(unclipped_num_std=s, clipbound_learning_rate=lr, max_clipbound=1e9, min_clipbound=1e-9),
+    )
+    draws = []
+    for _ in range(400):
+        c = opt.max_grad_norm
+        opt.step()  # no samples
+        fraction = 0.5 - math.log(opt.max_grad_norm / c) / lr
+        draws.append((fraction - 0.5) * opt.expected_batch_size)
+    mean = sum(draws) / len(draws)
+    std = math.sqrt(sum((d - mean) ** 2 for d in draws) / (len(draws) - 1))
+    assert abs(std / s - 1) < 5 / math.sqrt(2 * len(draws)), std
+    assert abs(mean) < 5 * s / math.sqrt(len(draws))
+    assert engine.steps == 400
