@@ -30,7 +30,18 @@ def _model():
     return nn.Sequential(nn.Linear(D, 4), nn.Tanh(), nn.Linear(4, 2))
 
 
-def _worker(rank, world, port, out):
+def _wrap(model, wrap):
+    """The model as given to make_private: as is, in torch's DDP, or in Opacus's DPDDP."""
+    if wrap == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    if wrap == "dpddp":
+        from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
+
+        return DifferentiallyPrivateDistributedDataParallel(model)
+    return model
+
+
+def _worker(rank, world, port, out, wrap=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     warnings.simplefilter("ignore")
@@ -40,8 +51,8 @@ def _worker(rank, world, port, out):
     model = _model()
     start = [p.detach().clone() for p in model.parameters()]
     engine = PrivacyEngine(seed=10)
-    _, opt, dl = engine.make_private(
-        module=model,
+    wrapped, opt, dl = engine.make_private(
+        module=_wrap(model, wrap),
         optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
         data_loader=DataLoader(ds, batch_size=16),
         noise_multiplier=0.0,
@@ -49,9 +60,14 @@ def _worker(rank, world, port, out):
     )
     x, y = next(iter(dl))
     idx = [int(i) for i in dl.batch_sampler_.shard if any(torch.equal(ds[int(i)][0], r) for r in x)]
-    nn.functional.cross_entropy(model(x), y).backward()
+    nn.functional.cross_entropy(wrapped(x), y).backward()
     opt.step()
     update = torch.cat([(s - p.detach()).reshape(-1) for s, p in zip(start, model.parameters(), strict=True)])
+    for x2, y2 in dl:  # more steps through the wrapper (DDP's own reducer would fail the next forward)
+        opt.zero_grad()
+        nn.functional.cross_entropy(wrapped(x2), y2).backward()
+        opt.step()
+    assert engine.steps == 1 + len(dl)
     gathered = [None] * world
     dist.all_gather_object(gathered, idx)
     # 2) noise only (no samples): std must be sigma*C/(qN), i.e. added once, not on every rank
@@ -90,11 +106,16 @@ def _free_port():
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_two_process_gloo():
+@pytest.mark.parametrize("wrap", [None, "ddp", "dpddp"])
+def test_two_process_gloo(wrap):
+    """Also with the model in torch's DistributedDataParallel or Opacus's DPDDP, as Opacus's
+    cifar10.py wraps it: the same update, the noise once."""
+    if wrap == "dpddp":
+        pytest.importorskip("opacus")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, out, wrap)) for r in range(2)]
     for p in procs:
         p.start()
     update, gathered, noise, expected, expected2, eps = out.get(timeout=100)

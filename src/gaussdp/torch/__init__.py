@@ -8,13 +8,15 @@ noise once per logical step; Poisson sampling tied to the accountant; epsilon af
 from __future__ import annotations
 
 from gaussdp.torch._clipper import PerSampleClipper
-from gaussdp.torch.data import DPDataLoader, PoissonBatchSampler, split_batch
-from gaussdp.torch.engine import PrivacyEngine
+from gaussdp.torch.data import BatchMemoryManager, DPDataLoader, PoissonBatchSampler, split_batch
+from gaussdp.torch.engine import DPLoss, PrivacyEngine
 from gaussdp.torch.optimizer import DPOptimizer
 from gaussdp.torch.validator import ModuleProblem, ModuleValidator, UnsupportedModule
 
 __all__ = [
+    "BatchMemoryManager",
     "DPDataLoader",
+    "DPLoss",
     "DPOptimizer",
     "ModuleProblem",
     "ModuleValidator",

@@ -238,6 +238,30 @@ def _owners(root: nn.Module) -> dict[nn.Module, dict[str, nn.Parameter]]:
     return {m: owned for m, owned in found.items() if owned}
 
 
+def _is_released(grad: torch.Tensor, released: tuple[torch.Tensor, int] | None) -> bool:
+    """``grad`` is the noisy gradient the optimizer wrote, unchanged since (no plain gradient added)."""
+    return released is not None and grad is released[0] and grad._version == released[1]
+
+
+def _to_batch_first(module: nn.Module, args: tuple, grads: list) -> tuple[tuple, list]:
+    """Inputs and output gradients of a call made with the batch in dimension 1, batch-first."""
+    x = args[0] if args else None
+    if isinstance(module, nn.Linear) and isinstance(x, torch.Tensor) and x.dim() >= 3:
+        pass
+    elif isinstance(module, nn.Embedding) and isinstance(x, torch.Tensor) and x.dim() >= 2:
+        pass
+    else:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else None
+        raise UnsafeInput(
+            f"batch_first=False: {type(module).__name__} (input shape {shape}) has no rule for the "
+            "batch in dimension 1; supported are Linear with inputs of 3 or more dimensions and "
+            "Embedding (make the model batch-first and use batch_first=True)"
+        )
+    args = (x.transpose(0, 1), *args[1:])
+    grads = [g.transpose(0, 1) if g is not None else None for g in grads]
+    return args, grads
+
+
 class PerSampleClipper:
     """Hooks on ``module`` that leave, after each backward pass, the per-sample-clipped gradient sums.
 
@@ -254,6 +278,18 @@ class PerSampleClipper:
             each parameter's per-sample gradient is clipped to its own bound, so its clipped sum is
             formed as soon as its layer's backward is done and nothing waits for the end of the pass
             (peak memory close to non-private training; tied or reused parameters still wait).
+        batch_first: False: the batch is dimension 1 of every layer input (as Opacus's
+            ``batch_first=False``); supported for ``Linear`` with inputs of 3 or more dimensions and
+            ``Embedding``, whose inputs and output gradients are transposed to batch-first before
+            their rule runs; any other layer is refused at its first backward pass, by name.
+
+    Attributes:
+        keep_grad_sample: when True, each trainable ``p.grad_sample`` is set after each backward
+            pass to its per-sample gradients ``(B, *p.shape)``, unclipped (as Opacus's).
+        unclipped: samples whose gradient norm was within the bound since the last reset (the
+            count that adaptive clipping releases, noised).
+        released: the gradients the optimizer's last step wrote into ``p.grad`` (with their
+            versions): left there as in Opacus, and not mistaken for a plain gradient.
     """
 
     def __init__(
@@ -263,6 +299,7 @@ class PerSampleClipper:
         max_grad_norm: float | Sequence[float],
         loss_reduction: str = "mean",
         clipping: str = "flat",
+        batch_first: bool = True,
     ) -> None:
         check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
         check_choice("clipping", clipping, ("flat", "per_layer"))
@@ -272,6 +309,12 @@ class PerSampleClipper:
         self.module = module
         self.loss_reduction = loss_reduction
         self.clipping = clipping
+        if not isinstance(batch_first, bool):
+            raise TypeError(f"batch_first must be a bool, got batch_first={batch_first!r}")
+        self.batch_first = batch_first
+        self.keep_grad_sample = False
+        self.unclipped = 0
+        self.released: dict[nn.Parameter, tuple[torch.Tensor, int]] = {}
         self.names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._bounds: dict[nn.Parameter, float] = {}
@@ -412,6 +455,8 @@ class PerSampleClipper:
             source = flat if isinstance(module, nn.EmbeddingBag) else _flatten(args)[0]
             first = next((t for t in source if isinstance(t, torch.Tensor)), None)
             self._batch = int(first.shape[0]) if first is not None and first.dim() else None
+            if not self.batch_first:
+                self._batch = None  # no batch-first broadcast to undo
         self._calls.append(call)
         return _unflatten(flat, spec) if changed else None
 
@@ -542,7 +587,11 @@ class PerSampleClipper:
                 "a backward pass failed after per-sample sums were started; call zero_grad() before "
                 "the next step (nothing was released)"
             )
-        leaked = [self.names[id(p)] for p in self.params if p.grad is not None]
+        leaked = [
+            self.names[id(p)]
+            for p in self.params
+            if p.grad is not None and not _is_released(p.grad, self.released.get(p))
+        ]
         if leaked:
             for p in self.params:
                 p.grad = None
@@ -555,6 +604,8 @@ class PerSampleClipper:
         """The per-parameter parts of one call (its kept inputs and gradients are then released)."""
         c.check_unmodified()
         owned = self._owned[c.module]
+        if not self.batch_first:
+            c.args, c.grads = _to_batch_first(c.module, c.args, c.grads)
         if c.capture is not None and c.capture.grads is not None:
             pairs = mha_captured_parts(c.module, c.args, c.kwargs, c.grads, owned, c.capture)
         else:
@@ -622,7 +673,9 @@ class PerSampleClipper:
         if not bool(torch.isfinite(norms).all()):
             raise UnsafeInput("per-sample gradient norms contain NaN or Inf; nothing was accumulated")
         # w_i = min(1, C / ||g_i||) times the undoing of the mean's 1/B; 1e-6 keeps ||w_i g_i|| <= C.
-        w = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0) * (scale * self.sum_scale)
+        factor = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        self.unclipped += int((factor >= 1.0).sum())
+        w = factor * (scale * self.sum_scale)
         # Each part is dropped once used, so what it stored is freed while the sums are allocated.
         # Parts that free the most per byte of sum they allocate go first: lowest peak memory.
         for p in sorted(parts, key=lambda q: -parts[q].stored() / q.numel()):
@@ -635,6 +688,8 @@ class PerSampleClipper:
         return float(b) if self.loss_reduction == "mean" else 1.0
 
     def _accumulate(self, p: nn.Parameter, part: Part, w: torch.Tensor) -> None:
+        if self.keep_grad_sample:  # asked for: materialised, unclipped, as Opacus's grad_sample
+            p.grad_sample = (part.materialise() * self._scale(part.batch_size)).to(p.dtype)
         prev = self.summed.get(p)
         if prev is None and self.prefill is not None:
             filled = self.prefill(p)
@@ -662,6 +717,7 @@ class PerSampleClipper:
         self.summed = {}
         self.noised = {}
         self.samples = 0
+        self.unclipped = 0
         self._calls = []
         self._uses = None
         self.poisoned = False

@@ -7,18 +7,34 @@ the same rate, so every record is still included independently with that rate in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+)
 from torch.utils.data.dataloader import default_collate
+from torch.utils.data.distributed import DistributedSampler
 
 from gaussdp._validate import check_probability
 from gaussdp.errors import InvalidParameter
 from gaussdp.torch._random import torch_generator
 
-__all__ = ["DPDataLoader", "PoissonBatchSampler", "split_batch"]
+__all__ = [
+    "BatchMemoryManager",
+    "DPDataLoader",
+    "PassCountingLoader",
+    "PoissonBatchSampler",
+    "check_once_per_pass",
+    "split_batch",
+]
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
@@ -191,3 +207,108 @@ def split_batch(batch: Any, max_physical_batch_size: int) -> Iterator[Any]:
 
     for lo in range(0, n, max_physical_batch_size):
         yield take(batch, lo, min(n, lo + max_physical_batch_size))
+
+
+# Samplers that hand out each index at most once per pass (checked further for RandomSampler).
+_ONCE_PER_PASS = (SequentialSampler, RandomSampler, SubsetRandomSampler, DistributedSampler)
+
+
+def check_once_per_pass(loader: DataLoader) -> None:
+    """Refuse a loader whose sampler may hand out a record twice in one pass over it.
+
+    Without Poisson sampling each pass is charged as one release in which every record is in one
+    batch at most; a sampler with replacement (or one gaussdp does not know) breaks that.
+    """
+    sampler = loader.sampler
+    if not isinstance(sampler, _ONCE_PER_PASS):
+        raise InvalidParameter(
+            f"poisson_sampling=False needs a sampler that draws each record at most once per pass "
+            f"(sequential or shuffled without replacement); data_loader has a "
+            f"{type(sampler).__name__}, which gaussdp cannot check: use shuffle=True or False"
+        )
+    if isinstance(sampler, RandomSampler) and (
+        sampler.replacement or sampler.num_samples > len(sampler.data_source)  # type: ignore[arg-type]
+    ):
+        raise InvalidParameter(
+            "poisson_sampling=False needs each record at most once per pass, but data_loader's "
+            f"RandomSampler has replacement={sampler.replacement}, num_samples={sampler.num_samples}"
+        )
+
+
+class PassCountingLoader:
+    """The user's own loader (``poisson_sampling=False``), counting the passes begun over it.
+
+    The engine charges each pass (a record is in one batch of it) before its first step. Every
+    attribute is the loader's (``dataset``, ``batch_size``, ``sampler``...).
+    """
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+        self.passes = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self.passes += 1
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+class BatchMemoryManager:
+    """Opacus's ``BatchMemoryManager``: each (Poisson) batch split into physical batches.
+
+    Use as ``with BatchMemoryManager(data_loader=loader, max_physical_batch_size=m,
+    optimizer=optimizer) as physical_loader:``; run forward, backward and ``optimizer.step()`` on
+    each physical batch. All but the last physical batch of a batch are signalled to the optimizer
+    as skipped steps (``optimizer.signal_skip_step``): their samples are clipped and summed, nothing
+    is charged, noised or released; the last one's step charges one release and adds the noise once
+    for the whole batch. So the privacy is that of the batch as drawn, whatever ``m``.
+
+    Args:
+        data_loader: the loader ``make_private`` returned.
+        max_physical_batch_size: the most samples one forward/backward pass gets (> 0).
+        optimizer: the ``DPOptimizer`` ``make_private`` returned.
+    """
+
+    def __init__(self, *, data_loader: Any, max_physical_batch_size: int, optimizer: Any) -> None:
+        if isinstance(max_physical_batch_size, bool) or not isinstance(max_physical_batch_size, int):
+            raise TypeError(f"max_physical_batch_size must be an int, got {max_physical_batch_size!r}")
+        if max_physical_batch_size <= 0:
+            raise InvalidParameter(
+                f"max_physical_batch_size must be > 0, got max_physical_batch_size={max_physical_batch_size}"
+            )
+        if not callable(getattr(optimizer, "signal_skip_step", None)):
+            raise TypeError("optimizer must be the DPOptimizer that make_private returned")
+        self.data_loader = data_loader
+        self.max_physical_batch_size = max_physical_batch_size
+        self.optimizer = optimizer
+
+    def __enter__(self) -> _PhysicalBatches:
+        return _PhysicalBatches(self)
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _PhysicalBatches:
+    def __init__(self, manager: BatchMemoryManager) -> None:
+        self.manager = manager
+        self.dataset = getattr(manager.data_loader, "dataset", None)
+
+    def __iter__(self) -> Iterator[Any]:
+        m, opt = self.manager.max_physical_batch_size, self.manager.optimizer
+        for batch in self.manager.data_loader:
+            chunks = list(split_batch(batch, m))
+            for i, chunk in enumerate(chunks):
+                opt.signal_skip_step(do_skip=i < len(chunks) - 1)
+                yield chunk
+
+    def __len__(self) -> int:
+        loader = self.manager.data_loader
+        expected = getattr(loader, "expected_batch_size", None) or getattr(loader, "batch_size", None) or 1
+        return len(loader) * max(1, math.ceil(expected / self.manager.max_physical_batch_size))

@@ -4,7 +4,9 @@ Guarantee: (epsilon, delta)-DP of the trained parameters (and of everything comp
 gradients) with respect to adding or removing one record of the training set, when batches come
 from the Poisson data loader the engine returns. Each ``optimizer.step()`` is one
 ``SubsampledGaussianEvent(noise_multiplier, sample_rate)``; :meth:`PrivacyEngine.get_epsilon`
-composes them with the chosen accountant (PLD by default, tight).
+composes them with the chosen accountant (PLD by default, tight). With ``poisson_sampling=False``
+the guarantee is under replace-one of a record, each pass over the loader charged as one
+``GaussianEvent(noise_multiplier / 2)`` (see :meth:`PrivacyEngine.make_private`).
 
 References:
     Abadi et al. 2016, "Deep learning with differential privacy" (DP-SGD).
@@ -16,6 +18,7 @@ References:
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -32,29 +35,56 @@ from gaussdp._validate import (
     check_nonnegative,
     check_positive,
 )
-from gaussdp.errors import InvalidParameter, NotPrivateWarning, PrivacyWarning
+from gaussdp.errors import InvalidParameter, NotPrivateWarning
 from gaussdp.torch._clipper import PerSampleClipper
 from gaussdp.torch._random import KeystreamNormal, keystream_normal_available, torch_generator
-from gaussdp.torch.data import DPDataLoader
-from gaussdp.torch.optimizer import DPOptimizer, _distributed
+from gaussdp.torch._run_accountant import RunAccountant
+from gaussdp.torch.data import DPDataLoader, PassCountingLoader, check_once_per_pass
+from gaussdp.torch.optimizer import AdaptiveClipping, DPOptimizer, _distributed
 from gaussdp.torch.validator import ModuleValidator
 
-__all__ = ["PrivacyEngine"]
+__all__ = ["DPLoss", "PrivacyEngine"]
+
+
+# Opacus's grad_sample_mode values: every one gives the same clipped sums (the per-sample gradients
+# of the same loss), which gaussdp computes its own way per layer; "ghost" also returns the criterion.
+_GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost")
+# Opacus's arguments of clipping="adaptive" (AdaClipDPOptimizer), all required there as here.
+_ADAPTIVE_ARGS = (
+    "target_unclipped_quantile",
+    "clipbound_learning_rate",
+    "max_clipbound",
+    "min_clipbound",
+    "unclipped_num_std",
+)
 
 
 class PrivacyEngine:
     """Makes a module, optimizer and data loader private; keeps the privacy ledger of the run.
 
+    Opacus's ``PrivacyEngine`` with only the import changed: ``PrivacyEngine(accountant=...,
+    secure_mode=...)``, ``make_private``, ``make_private_with_epsilon``, ``accountant.get_epsilon``,
+    ``get_epsilon``, ``save_checkpoint`` and ``load_checkpoint``.
+
     Args:
-        accountant: name for ``gaussdp.accounting.upper_bound_accountant``: "pld" (default,
-            tightest), "rdp", "advanced" or "basic"; "gdp" is refused (an approximation).
+        accountant: ``"pld"`` (default, tightest), ``"rdp"``, ``"advanced"``, ``"basic"``, or
+            Opacus's default ``"prv"``, which is computed with the PLD accountant (a proven upper
+            bound; ``engine.accountant`` says so in its ``repr``). ``"gdp"`` is refused (an
+            approximation). See :class:`gaussdp.torch._run_accountant.RunAccountant`.
+        secure_mode: Opacus's switch for cryptographically secure noise. gaussdp's default noise
+            already is: an AES-128-CTR keystream keyed from the OS CSPRNG. ``True`` only makes sure
+            of it: where that keystream cannot run, noise comes from ``noise="secure"`` (ChaCha20)
+            instead of ``torch.randn`` seeded from the OS; a ``seed`` or ``noise_generator`` is then
+            refused. ``False`` (default) is accepted and changes nothing. Poisson sampling always
+            draws from a generator seeded from the OS CSPRNG. Neither mode is floating-point safe
+            (Opacus's secure mode is not either, Mironov 2012; DP-SGD gradients are not released
+            bit-exactly).
         noise: "fast" (default): an AES-128-CTR keystream keyed from the OS CSPRNG, turned into
             normals by a vectorised Box-Muller (``gaussdp.torch._random.KeystreamNormal``; faster
             than ``torch.randn``); where ``cryptography`` or the compiled ``gaussdp._gauss`` is
             missing, ``torch.randn`` from a ``torch.Generator`` seeded with 63 bits from the OS CSPRNG
             (``noise_stream`` says which). "secure": normals from
             ``gaussdp.noise.noise_source("secure")`` (ChaCha20, polar method in float64; slower).
-            Neither is floating-point safe; DP-SGD gradients are not released bit-exactly anyway.
         seed: fixes sampling and noise (for experiments only: NOT private, warned).
 
     Example::
@@ -64,25 +94,45 @@ class PrivacyEngine:
             module=model, optimizer=optimizer, data_loader=loader,
             noise_multiplier=1.0, max_grad_norm=1.0)
         for x, y in loader:
+            optimizer.zero_grad()
             loss_fn(model(x), y).backward()
             optimizer.step()
-            print(engine.get_epsilon(1e-5))
+            print(engine.accountant.get_epsilon(delta=1e-5))
     """
 
-    def __init__(self, accountant: str = "pld", *, noise: str = "fast", seed: int | None = None) -> None:
-        from gaussdp.accounting import upper_bound_accountant
-
+    def __init__(
+        self,
+        accountant: str = "pld",
+        *,
+        secure_mode: bool = False,
+        noise: str = "fast",
+        seed: int | None = None,
+    ) -> None:
         check_choice("noise", noise, ("fast", "secure"))
+        if not isinstance(secure_mode, bool):
+            raise TypeError(f"secure_mode must be a bool, got secure_mode={secure_mode!r}")
+        if secure_mode and seed is not None:
+            raise InvalidParameter("secure_mode=True cannot take a seed (a seeded run is not private)")
         self.noise = noise
+        self.secure_mode = secure_mode
         self.accountant_name = accountant
-        self.accountant = upper_bound_accountant(accountant)  # get_epsilon prints upper bounds only
+        self.accountant = RunAccountant(accountant)  # get_epsilon prints upper bounds only
         self.seed = seed
-        self.steps = 0
         self.noise_multiplier: float | None = None
         self.sample_rate: float | None = None
+        self.poisson_sampling = True
         self.clipper: PerSampleClipper | None = None
+        self.optimizer: DPOptimizer | None = None
         self.noise_stream: str | None = None  # where the gradient noise comes from, once made private
-        self._unnoised_steps = 0  # steps taken with noise_multiplier=0 (then epsilon is inf)
+        self._passes: Any = None  # without Poisson sampling: the loader that counts passes over it
+        self._pass_seen = -1
+        self._pass_steps = 0
+        self._pass_mu2 = 0.0  # mu^2 of the Gaussian releases charged in the current pass
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps charged so far (including those of a run resumed from a checkpoint)."""
+        return self.accountant.steps
 
     # ------------------------------------------------------------------------------------ API
     def make_private(
@@ -93,42 +143,87 @@ class PrivacyEngine:
         data_loader: DataLoader,
         noise_multiplier: float,
         max_grad_norm: float | Sequence[float],
+        criterion: nn.Module | None = None,
         poisson_sampling: bool = True,
         loss_reduction: str = "mean",
         batch_first: bool = True,
         clipping: str = "flat",
-        **_opacus_only: Any,
-    ) -> tuple[nn.Module, DPOptimizer, DataLoader]:
+        noise_generator: torch.Generator | None = None,
+        grad_sample_mode: str = "hooks",
+        keep_grad_sample: bool = False,
+        **adaptive: Any,
+    ) -> Any:
         """Hooks on ``module`` (returned unchanged), a DP optimizer and a Poisson data loader.
+
+        Guarantee: with ``poisson_sampling=True`` (default), (epsilon, delta)-DP of everything
+        computed from the noisy gradients under add/remove of one record, each step charged as a
+        ``SubsampledGaussianEvent(noise_multiplier, 1 / len(data_loader))``. With
+        ``poisson_sampling=False``, under replace-one of a record (the batch size is fixed), each
+        pass over the loader charged as one ``GaussianEvent(noise_multiplier / 2)`` (no
+        amplification; see below).
 
         Args:
             module: the model. Not wrapped: its class, ``state_dict`` keys and methods such as
-                Hugging Face ``generate()`` are untouched; hooks are added to its submodules.
+                Hugging Face ``generate()`` are untouched; hooks are added to its submodules. A
+                ``torch.nn.parallel.DistributedDataParallel`` or Opacus ``DPDDP`` wrapper is
+                accepted and returned as given: the hooks go on the module inside, and DDP's own
+                gradient all-reduce is switched off (``require_backward_grad_sync=False``), since the
+                optimizer all-reduces the clipped sums itself.
             optimizer: over the trainable (``requires_grad``) parameters; frozen ones are ignored.
             data_loader: its dataset and collate function are reused; its batch size ``b`` sets the
                 sample rate ``q = 1 / len(data_loader)`` (about ``b / N``).
             noise_multiplier: ``sigma >= 0``; noise std on the clipped sum is ``sigma * max_grad_norm``.
             max_grad_norm: per-sample clip bound ``C > 0`` over all trainable parameters; with
-                ``clipping="per_layer"`` also a list of one bound per trainable parameter.
-            poisson_sampling: True (the accountant's assumption). False keeps the user's loader and
-                warns: the epsilon reported is then not a proven bound. Each step is charged and
-                averaged as one batch of the loader's ``batch_size``, so a step after more samples
-                than one batch (batches accumulated over several backward passes) is refused, as
-                two Poisson batches are; for larger steps use a larger ``batch_size`` and
-                :func:`gaussdp.torch.split_batch`.
+                ``clipping="per_layer"`` also a list of one bound per trainable parameter; with
+                ``clipping="adaptive"`` the initial bound.
+            criterion: the loss (Opacus's fast gradient clipping). With ``grad_sample_mode="ghost"``
+                a 4-tuple ``(module, optimizer, criterion, data_loader)`` is returned as Opacus
+                does, ``criterion`` wrapped in :class:`DPLoss` (``loss.backward()`` works as before:
+                gaussdp's clipping already runs in the one backward pass). Its ``reduction`` must
+                match ``loss_reduction``.
+            poisson_sampling: True (the accountant's assumption). False keeps the user's loader
+                (wrapped only to count passes over it), whose sampler must draw each record at
+                most once per pass (sequential or shuffled, no replacement). Each step is averaged
+                over the loader's ``batch_size``, so replacing one record moves one batch's clipped
+                sum by at most ``2 C``: each pass is one Gaussian release of noise multiplier
+                ``sigma / 2`` with respect to that sensitivity, charged before the first step of
+                the pass (and topped up, by the exact composition of Gaussians, if a later step
+                of the pass uses a smaller ``sigma``). Shuffling gives no proven amplification
+                that is tighter in general, so none is claimed. A step after more samples than
+                one batch is refused; for larger steps use a larger ``batch_size`` and
+                :class:`gaussdp.torch.utils.batch_memory_manager.BatchMemoryManager`.
             loss_reduction: "mean" (default) or "sum", how the loss combines the batch.
-            batch_first: must be True: the batch is dimension 0 of every layer input.
-            clipping: ``"flat"`` (default) or ``"per_layer"`` (as in Opacus): each parameter's
+            batch_first: True (default): the batch is dimension 0 of every layer input. False:
+                dimension 1 (as in Opacus), supported for ``Linear`` (inputs of 3 or more
+                dimensions), ``Embedding`` and ``nn.LSTM``/``GRU``/``RNN`` made with
+                ``batch_first=False``; any other layer is refused at its first backward pass with
+                a message naming it.
+            clipping: ``"flat"`` (default), ``"per_layer"`` (as in Opacus): each parameter's
                 per-sample gradient clipped to its own bound (``C / sqrt(n)`` each for one number
-                ``C``), so its clipped sum is formed during backward and peak memory stays close
-                to non-private training. The noise uses the whole-gradient bound
-                ``sqrt(sum C_p^2)``, so the accounting is unchanged.
-            grad_sample_mode: accepted for Opacus compatibility and ignored (gaussdp picks per
-                layer between ghost norms and per-sample gradients); other Opacus-only
-                arguments are refused with TypeError.
+                ``C``), the noise scaled to ``sqrt(sum C_p^2)``; or ``"adaptive"`` (Andrew et al.
+                2021, as Opacus's ``AdaClipDPOptimizer``): the bound follows a private estimate of
+                the ``target_unclipped_quantile`` of the per-sample norms; the extra release (the
+                noisy count of unclipped samples) is paid for by a larger gradient noise, so the
+                whole step is still charged at ``noise_multiplier`` (see
+                :class:`gaussdp.torch.optimizer.AdaptiveClipping`). Takes the keyword arguments
+                ``target_unclipped_quantile``, ``clipbound_learning_rate``, ``max_clipbound``,
+                ``min_clipbound`` and ``unclipped_num_std``.
+            noise_generator: a ``torch.Generator`` for the gradient noise, as in Opacus. Whoever
+                knows its state can remove the noise: the run is warned as NOT private (refused
+                with ``secure_mode=True``).
+            grad_sample_mode: Opacus's ``"hooks"`` (default), ``"functorch"``, ``"ew"`` or
+                ``"ghost"``: all give the same clipped sums, which gaussdp computes by its own
+                hooks, per layer by ghost norms or per-sample gradients (whichever is cheaper);
+                ``"ghost"`` also returns the criterion. Other values (``"no_op"``: per-sample
+                gradients supplied by the user, which gaussdp cannot check) are refused.
+            keep_grad_sample: set ``p.grad_sample`` after each backward pass to the per-sample
+                gradients of each trainable parameter (shape ``(B, *p.shape)``, unclipped, as
+                in Opacus). Off by default: gaussdp does not materialise them where ghost norms
+                suffice, and this costs their memory.
 
         Returns:
-            ``(module, optimizer, data_loader)``.
+            ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion, data_loader)``
+            with ``grad_sample_mode="ghost"``.
 
         Raises:
             UnsupportedModule: ``module`` holds a submodule that mixes the samples of a batch or
@@ -136,30 +231,71 @@ class PrivacyEngine:
                 fused RNN configured so that its recurrence cannot be replayed per sample; the
                 message names each by its path and replacement
                 (:class:`gaussdp.torch.ModuleValidator`).
+            InvalidParameter, TypeError: a bad or unsupported argument, named in the message.
+
+        References:
+            Abadi et al. 2016, "Deep learning with differential privacy" (DP-SGD).
+            Andrew, Thakkar, McMahan & Ramaswamy 2021, "Differentially private learning with
+            adaptive clipping", NeurIPS (adaptive clipping; Theorem 1 for its accounting).
+            Dong, Roth & Su 2019, "Gaussian differential privacy", Corollary 3.3 (composition of
+            Gaussian releases, used for the passes of ``poisson_sampling=False``).
         """
-        unsupported = sorted(set(_opacus_only) - {"grad_sample_mode"})
-        if unsupported:  # never ignore an option that would change what the user expects
-            raise TypeError(f"make_private() got unsupported arguments {unsupported}")
+        if clipping != "adaptive" and adaptive:
+            raise TypeError(f"make_private() got unsupported arguments {sorted(adaptive)}")
+        if clipping == "adaptive":
+            extra = sorted(set(adaptive) - set(_ADAPTIVE_ARGS))
+            missing = [a for a in _ADAPTIVE_ARGS if a not in adaptive]
+            if extra:
+                raise TypeError(f"make_private() got unsupported arguments {extra}")
+            if missing:
+                raise TypeError(f"clipping='adaptive' needs the arguments {missing}")
+        check_choice("clipping", clipping, ("flat", "per_layer", "adaptive"))
+        if grad_sample_mode not in _GRAD_SAMPLE_MODES:
+            raise InvalidParameter(
+                f"grad_sample_mode={grad_sample_mode!r} is not supported: use one of "
+                f"{list(_GRAD_SAMPLE_MODES)} (gaussdp computes the per-sample gradients itself; it "
+                "cannot check per-sample gradients supplied from outside)"
+            )
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if isinstance(module, nn.parallel.DistributedDataParallel):
-            raise TypeError(
-                "pass the unwrapped module: gaussdp all-reduces the clipped sums itself in step()"
-            )
+        inner = _unwrap_ddp(module)
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        ModuleValidator.validate(module, strict=True)  # before anything else is made or warned
-        if not batch_first:
-            raise InvalidParameter("batch_first=False is not supported: put the batch in dimension 0")
+        ModuleValidator.validate(inner, strict=True)  # before anything else is made or warned
+        if not isinstance(batch_first, bool):
+            raise TypeError(f"batch_first must be a bool, got batch_first={batch_first!r}")
         sigma = check_nonnegative("noise_multiplier", noise_multiplier)
-        if clipping == "flat" or not isinstance(max_grad_norm, Sequence):
+        if clipping != "per_layer" or not isinstance(max_grad_norm, Sequence):
             check_positive("max_grad_norm", max_grad_norm)  # lists are checked by the clipper
         if self.clipper is not None:
             raise InvalidParameter("this PrivacyEngine already made a model private; use a new engine")
-        if not any(p.requires_grad for p in module.parameters()):
+        if not any(p.requires_grad for p in inner.parameters()):
             raise InvalidParameter("module has no trainable parameters (requires_grad=True)")
+        if noise_generator is not None:
+            if not isinstance(noise_generator, torch.Generator):
+                raise TypeError(
+                    f"noise_generator must be a torch.Generator, got {type(noise_generator).__name__}"
+                )
+            if self.secure_mode:
+                raise InvalidParameter(
+                    "noise_generator cannot be used with secure_mode=True: its state (a Mersenne "
+                    "Twister's) would let anyone who knows it remove the noise"
+                )
+        if grad_sample_mode == "ghost":
+            criterion = nn.CrossEntropyLoss() if criterion is None else criterion
+            dp_loss = DPLoss(criterion, loss_reduction=loss_reduction)
+        adaptive_clip = None
+        if clipping == "adaptive":
+            adaptive_clip = AdaptiveClipping(noise_multiplier=sigma, **adaptive)
         if sigma == 0:
             warnings.warn("noise_multiplier=0: training is NOT private", NotPrivateWarning, stacklevel=2)
+        if noise_generator is not None:
+            warnings.warn(
+                "noise_generator: the gradient noise comes from a torch.Generator whose state, if "
+                "known, removes it: this run is NOT private (use the default OS-entropy noise)",
+                NotPrivateWarning,
+                stacklevel=2,
+            )
 
         rank, world = _distributed()
         per_step: int | None = None  # without Poisson sampling: the most samples one step may use
@@ -174,12 +310,6 @@ class PrivacyEngine:
             )
             sample_rate, expected = loader.sample_rate, loader.expected_batch_size
         else:
-            warnings.warn(
-                "poisson_sampling=False: the accountant assumes Poisson sampling, so the epsilon it "
-                "reports is not a proven bound for this loader",
-                PrivacyWarning,
-                stacklevel=2,
-            )
             if len(data_loader) == 0:
                 raise InvalidParameter("data_loader is empty")
             if data_loader.batch_size is None:
@@ -187,17 +317,23 @@ class PrivacyEngine:
                     "poisson_sampling=False needs a data_loader with a fixed batch_size (it has a "
                     "batch_sampler): each step is charged and averaged as one batch of batch_size"
                 )
-            loader = data_loader
+            check_once_per_pass(data_loader)
+            loader = PassCountingLoader(data_loader)
             sample_rate = 1.0 / len(data_loader)
             expected = float(data_loader.batch_size) * world
             # more samples in one step than one batch means batches were accumulated, which
-            # this sample rate and denominator do not cover
+            # this charge and denominator do not cover
             per_step = data_loader.batch_size
             with contextlib.suppress(TypeError):
                 per_step = min(per_step, len(data_loader.sampler))  # type: ignore[arg-type]
         clipper = PerSampleClipper(
-            module, max_grad_norm=max_grad_norm, loss_reduction=loss_reduction, clipping=clipping
+            inner,
+            max_grad_norm=max_grad_norm,
+            loss_reduction=loss_reduction,
+            clipping="flat" if clipping == "adaptive" else clipping,
+            batch_first=batch_first,
         )
+        clipper.keep_grad_sample = bool(keep_grad_sample)
         noise_seed = None if self.seed is None else self.seed + 2 * rank + 1
         try:
             dp_optimizer = DPOptimizer(
@@ -205,17 +341,30 @@ class PrivacyEngine:
                 clipper=clipper,
                 noise_multiplier=sigma,
                 expected_batch_size=expected,
-                generator=self._noise_generator(noise_seed),
+                generator=noise_generator
+                if noise_generator is not None
+                else self._noise_generator(noise_seed),
                 on_step=self._charge,
                 loader=loader if poisson_sampling else None,
                 max_samples_per_step=per_step,
+                adaptive=adaptive_clip,
             )
         except BaseException:
             clipper.remove()  # refused: leave the module exactly as it was given
             raise
-        self.clipper = clipper
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            module.require_backward_grad_sync = False  # the optimizer all-reduces the clipped sums
+        self.clipper, self.optimizer = clipper, dp_optimizer
         self.noise_multiplier, self.sample_rate = sigma, sample_rate
-        self.noise_stream = _describe(dp_optimizer.generator)
+        self.poisson_sampling = poisson_sampling
+        self._passes = None if poisson_sampling else loader
+        self.noise_stream = (
+            "a user torch.Generator (noise_generator): NOT private"
+            if noise_generator is not None
+            else _describe(dp_optimizer.generator)
+        )
+        if grad_sample_mode == "ghost":
+            return module, dp_optimizer, dp_loss, loader
         return module, dp_optimizer, loader
 
     def make_private_with_epsilon(
@@ -229,9 +378,10 @@ class PrivacyEngine:
         epochs: int,
         max_grad_norm: float | Sequence[float],
         **kwargs: Any,
-    ) -> tuple[nn.Module, DPOptimizer, DataLoader]:
+    ) -> Any:
         """As :meth:`make_private`, with the smallest noise that keeps ``epochs`` epochs within
-        ``(target_epsilon, target_delta)`` under this engine's accountant."""
+        ``(target_epsilon, target_delta)`` under this engine's accountant (and the charge
+        :meth:`make_private` describes for ``poisson_sampling``)."""
         from gaussdp.accounting import noise_for_epsilon
 
         eps = check_epsilon(target_epsilon, "target_epsilon")
@@ -241,13 +391,22 @@ class PrivacyEngine:
         steps_per_epoch = len(data_loader)
         if steps_per_epoch == 0:
             raise InvalidParameter("data_loader is empty")
-        sigma = noise_for_epsilon(
-            target_epsilon=eps,
-            delta=delta,
-            sample_rate=1.0 / steps_per_epoch,
-            steps=epochs * steps_per_epoch,
-            accountant=self.accountant_name,
-        )
+        if kwargs.get("poisson_sampling", True):
+            sigma = noise_for_epsilon(
+                target_epsilon=eps,
+                delta=delta,
+                sample_rate=1.0 / steps_per_epoch,
+                steps=epochs * steps_per_epoch,
+                accountant=self.accountant.backend,
+            )
+        else:  # one Gaussian of multiplier sigma / 2 per epoch (see make_private)
+            sigma = 2.0 * noise_for_epsilon(
+                target_epsilon=eps,
+                delta=delta,
+                sample_rate=1.0,
+                steps=epochs,
+                accountant=self.accountant.backend,
+            )
         self.target_delta = delta
         return self.make_private(
             module=module,
@@ -260,17 +419,84 @@ class PrivacyEngine:
 
     def get_epsilon(self, delta: float) -> float:
         """epsilon spent so far at ``delta`` (0 before the first step; inf without noise)."""
-        delta = check_delta(delta)
-        if self.steps == 0:
-            return 0.0
-        if self._unnoised_steps:
-            return float("inf")
-        return float(self.accountant.epsilon(delta))
+        return self.accountant.get_epsilon(delta)
 
     def detach(self) -> None:
         """Remove the hooks from the module (it is then an ordinary, non-private model again)."""
         if self.clipper is not None:
             self.clipper.remove()
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(
+        self,
+        *,
+        path: Any,
+        module: nn.Module,
+        optimizer: Optimizer | None = None,
+        checkpoint_dict: dict[str, Any] | None = None,
+        module_state_dict_kwargs: dict[str, Any] | None = None,
+        torch_save_kwargs: dict[str, Any] | None = None,
+        **schedulers: Any,
+    ) -> None:
+        """Save ``module`` (and ``optimizer``) with the privacy spent so far, as Opacus does.
+
+        The accountant's state (every event charged, the steps, and the charge of the current pass
+        without Poisson sampling) is saved as plain values beside the states of the module and
+        optimizer, so :meth:`load_checkpoint` on a fresh engine resumes the spend: epsilon printed
+        after resuming covers the steps before the checkpoint too. Opacus's ``noise_scheduler``
+        and ``grad_clip_scheduler`` are saved when given.
+        """
+        _check_schedulers(schedulers)
+        state: dict[str, Any] = dict(checkpoint_dict or {})
+        state["module_state_dict"] = module.state_dict(**(module_state_dict_kwargs or {}))
+        state["privacy_accountant_state_dict"] = self._state_dict()
+        if optimizer is not None:
+            state["optimizer_state_dict"] = optimizer.state_dict()
+        for name, sched in schedulers.items():
+            if sched is not None:
+                state[f"{name}_state_dict"] = sched.state_dict()
+        torch.save(state, path, **(torch_save_kwargs or {}))
+
+    def load_checkpoint(
+        self,
+        *,
+        path: Any,
+        module: nn.Module,
+        optimizer: Optimizer | None = None,
+        module_load_dict_kwargs: dict[str, Any] | None = None,
+        torch_load_kwargs: dict[str, Any] | None = None,
+        **schedulers: Any,
+    ) -> dict[str, Any]:
+        """Restore what :meth:`save_checkpoint` saved; returns the rest of the checkpoint dict.
+
+        Call it before the first step of this engine (its accountant must be empty): the spend
+        saved is then this engine's, and every epsilon it reports includes it.
+        """
+        _check_schedulers(schedulers)
+        kwargs = {"weights_only": True, **(torch_load_kwargs or {})}
+        state = torch.load(path, **kwargs)
+        self._load_state_dict(state.pop("privacy_accountant_state_dict"))
+        module.load_state_dict(state.pop("module_state_dict"), **(module_load_dict_kwargs or {}))
+        opt_state = state.pop("optimizer_state_dict", None)
+        if optimizer is not None and opt_state is not None:
+            optimizer.load_state_dict(opt_state)
+        for name, sched in schedulers.items():
+            saved = state.pop(f"{name}_state_dict", None)
+            if sched is not None and saved is not None:
+                sched.load_state_dict(saved)
+        return state
+
+    def _state_dict(self) -> dict[str, Any]:
+        return {
+            **self.accountant.state_dict(),
+            "pass_steps": self._pass_steps,
+            "pass_mu2": self._pass_mu2,
+        }
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        self.accountant.load_state_dict(state)
+        # a resumed run starts a new pass over its loader; it is charged anew
+        self._pass_steps, self._pass_mu2 = 0, 0.0
 
     # ------------------------------------------------------------------------------- internals
     def _noise_generator(self, seed: int | None) -> Any:
@@ -280,27 +506,88 @@ class PrivacyEngine:
             return noise_source("secure")
         if seed is None and keystream_normal_available():
             return KeystreamNormal()
+        if self.secure_mode:  # no keystream here: ChaCha20 rather than a Mersenne Twister
+            from gaussdp.noise import noise_source
+
+            return noise_source("secure")
         return torch_generator(seed, "gradient noise")
 
     def _charge(self, sigma: float) -> None:
         """Charge one step at the multiplier the optimizer is about to use (it may have been changed
         on the optimizer since make_private, as in Opacus); a step without noise makes the run
         non-private for good (get_epsilon is then inf)."""
-        from gaussdp.accounting import SubsampledGaussianEvent
+        from gaussdp.accounting import GaussianEvent, SubsampledGaussianEvent
 
         assert self.sample_rate is not None
-        if sigma > 0:
-            self.accountant.compose(SubsampledGaussianEvent(sigma, self.sample_rate))
-        else:
-            if not self._unnoised_steps and self.noise_multiplier:
+        if sigma <= 0:
+            if not self.accountant.unnoised_steps and self.noise_multiplier:
                 warnings.warn(
                     "a step with noise_multiplier=0: training is NOT private from now on",
                     NotPrivateWarning,
                     stacklevel=3,
                 )
-            self._unnoised_steps += 1
+        elif self.poisson_sampling:
+            self.accountant.compose(SubsampledGaussianEvent(sigma, self.sample_rate))
+        else:
+            # A new pass over the loader (or more steps than one pass holds) may hold each record
+            # again. Within a pass a record is in one batch: the pass is one Gaussian release of
+            # sensitivity 2C (replace-one), i.e. mu = 2 / sigma-GDP at that batch's sigma. mu^2
+            # adds under composition (Dong, Roth & Su 2019, Corollary 3.3), so a later batch of
+            # the pass with a smaller sigma is charged the missing mu^2 only.
+            passes = self._passes.passes if self._passes is not None else 0
+            if passes != self._pass_seen or self._pass_steps >= round(1.0 / self.sample_rate):
+                self._pass_seen, self._pass_steps, self._pass_mu2 = passes, 0, 0.0
+            need = (2.0 / sigma) ** 2
+            if need > self._pass_mu2 * (1.0 + 1e-12):
+                self.accountant.compose(GaussianEvent(1.0 / math.sqrt(need - self._pass_mu2)))
+                self._pass_mu2 = need
+            self._pass_steps += 1
+        self.accountant.step(noised=sigma > 0)
         self.noise_multiplier = sigma
-        self.steps += 1
+
+
+class DPLoss(nn.Module):
+    """The criterion that Opacus's fast gradient clipping returns: here the loss itself.
+
+    gaussdp's hooks already clip in the one backward pass that ``loss.backward()`` runs (ghost norms
+    where cheaper), so nothing is packaged: calling it returns ``criterion(input, target)``. It
+    checks that the loss combines the batch as the engine was told (``loss_reduction``): a sum
+    read as a mean would scale every per-sample gradient by the batch size before clipping.
+    """
+
+    def __init__(self, criterion: nn.Module, *, loss_reduction: str = "mean") -> None:
+        super().__init__()
+        if not callable(criterion):
+            raise TypeError(f"criterion must be callable, got {type(criterion).__name__}")
+        reduction = getattr(criterion, "reduction", loss_reduction)
+        if reduction != loss_reduction:
+            raise InvalidParameter(
+                f"criterion has reduction={reduction!r} but loss_reduction={loss_reduction!r}: "
+                "they must agree"
+            )
+        self.criterion = criterion
+        self.loss_reduction = loss_reduction
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.criterion(*args, **kwargs)
+
+
+def _unwrap_ddp(module: nn.Module) -> nn.Module:
+    """The module inside ``DistributedDataParallel`` or Opacus's ``DPDDP`` (checked by name: Opacus
+    is not a dependency), else ``module``."""
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        return module.module
+    if type(module).__name__ == "DifferentiallyPrivateDistributedDataParallel" and isinstance(
+        getattr(module, "module", None), nn.Module
+    ):
+        return module.module
+    return module
+
+
+def _check_schedulers(schedulers: dict[str, Any]) -> None:
+    unknown = sorted(set(schedulers) - {"noise_scheduler", "grad_clip_scheduler"})
+    if unknown:
+        raise TypeError(f"unsupported arguments {unknown}")
 
 
 def _describe(source: Any) -> str:

@@ -22,7 +22,75 @@ from gaussdp.torch._clipper import PerSampleClipper
 from gaussdp.torch._parts import acc_dtype
 from gaussdp.torch._random import add_standard_normal_, noise_buffer
 
-__all__ = ["DPOptimizer"]
+__all__ = ["AdaptiveClipping", "DPOptimizer"]
+
+
+class AdaptiveClipping:
+    """Adaptive clipping (Andrew et al. 2021), as Opacus's ``AdaClipDPOptimizer`` names it.
+
+    At each step, beside the noisy gradient, the optimizer releases how many samples were not
+    clipped: ``sum_i (b_i - 1/2) + N(0, unclipped_num_std^2)`` with ``b_i = 1`` where sample ``i``'s
+    norm is at most the bound. Centred this way one record moves the count by at most 1/2 (Andrew
+    et al., Section 3), so the gradient (sensitivity ``C``, noise ``z_g C``) and the count together
+    are one Gaussian release of noise multiplier ``z`` with ``z^-2 = z_g^-2 + (2 unclipped_num_std)^-2``
+    (Theorem 1 there). The gradient's multiplier is therefore raised to
+    ``z_g = (z^-2 - (2 unclipped_num_std)^-2)^(-1/2)`` and each step is charged at ``z`` (the
+    ``noise_multiplier`` given): the accountant sees exactly the privacy of both releases. The bound
+    then moves geometrically toward the target quantile:
+    ``C <- clamp(C exp(-clipbound_learning_rate (unclipped_fraction - target_unclipped_quantile)),
+    min_clipbound, max_clipbound)``, with the fraction estimated as count / (q N) + 1/2.
+
+    Args:
+        noise_multiplier: ``z``, the multiplier charged per step (> 0).
+        target_unclipped_quantile: the fraction of samples to leave unclipped, in [0, 1].
+        clipbound_learning_rate: the step size of the geometric update (>= 0).
+        max_clipbound, min_clipbound: the range of the bound (0 < min < max).
+        unclipped_num_std: the noise std on the count; must exceed ``z / 2``.
+
+    References:
+        Andrew, Thakkar, McMahan & Ramaswamy 2021, "Differentially private learning with adaptive
+        clipping", NeurIPS, Algorithm 1 and Theorem 1.
+    """
+
+    def __init__(
+        self,
+        *,
+        noise_multiplier: float,
+        target_unclipped_quantile: float,
+        clipbound_learning_rate: float,
+        max_clipbound: float,
+        min_clipbound: float,
+        unclipped_num_std: float,
+    ) -> None:
+        z = check_positive("noise_multiplier", noise_multiplier)
+        self.target_unclipped_quantile = float(target_unclipped_quantile)
+        if not 0.0 <= self.target_unclipped_quantile <= 1.0:
+            raise InvalidParameter(
+                f"target_unclipped_quantile must be in [0, 1], got {target_unclipped_quantile!r}"
+            )
+        self.clipbound_learning_rate = check_nonnegative("clipbound_learning_rate", clipbound_learning_rate)
+        self.max_clipbound = check_positive("max_clipbound", max_clipbound)
+        self.min_clipbound = check_positive("min_clipbound", min_clipbound)
+        if self.min_clipbound >= self.max_clipbound:
+            raise InvalidParameter(
+                f"min_clipbound must be < max_clipbound, got min_clipbound={min_clipbound!r}, "
+                f"max_clipbound={max_clipbound!r}"
+            )
+        self.unclipped_num_std = check_positive("unclipped_num_std", unclipped_num_std)
+        self.check(z)
+
+    def check(self, z: float) -> None:
+        """Refuse a multiplier ``z`` that the count's noise alone would exceed."""
+        if not z < 2.0 * self.unclipped_num_std:
+            raise InvalidParameter(
+                f"clipping='adaptive' needs noise_multiplier < 2 * unclipped_num_std, got "
+                f"noise_multiplier={z!r}, unclipped_num_std={self.unclipped_num_std!r}: the count's "
+                "noise alone would spend more than the whole step's budget"
+            )
+
+    def gradient_multiplier(self, z: float) -> float:
+        """``z_g``: the gradient's noise multiplier that leaves the step at ``z`` in all."""
+        return (z**-2 - (2.0 * self.unclipped_num_std) ** -2) ** -0.5
 
 
 class DPOptimizer(Optimizer):
@@ -57,6 +125,7 @@ class DPOptimizer(Optimizer):
         loader: Any = None,
         max_samples_per_step: int | None = None,
         check_moved: bool = True,
+        adaptive: AdaptiveClipping | None = None,
     ) -> None:
         # no super().__init__: param_groups and state are the wrapped optimizer's (as in Opacus)
         self.original_optimizer = optimizer
@@ -70,6 +139,11 @@ class DPOptimizer(Optimizer):
         self._served_at_last_step = loader.samples_served if loader is not None else 0
         self._batches_at_last_step = loader.batches_served if loader is not None else 0
         self._check_moved = check_moved
+        self.adaptive = adaptive
+        if adaptive is not None and clipper.clipping != "flat":
+            raise InvalidParameter("clipping='adaptive' adapts one flat bound; per-layer bounds are fixed")
+        self._skip_queue: list[bool] = []
+        self._last_step_skipped = False
         self.steps = 0
         self._step_hooks: Any = {}
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -130,11 +204,28 @@ class DPOptimizer(Optimizer):
         return f"DPOptimizer({self.original_optimizer!r}, noise_multiplier={self.noise_multiplier})"
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget the clipped sums of a step not taken; gradients are always set to None."""
-        self.clipper.reset()
+        """Forget the clipped sums of a step not taken; gradients are always set to None.
+
+        After a skipped step (:meth:`signal_skip_step`) the clipped sums are kept for the step
+        that ends the batch, as in Opacus; ``p.grad`` and ``p.grad_sample`` are cleared.
+        """
+        if not self._last_step_skipped:
+            self.clipper.reset()
         for p in self.params:
             p.grad = None
+            if hasattr(p, "grad_sample"):
+                p.grad_sample = None
+        self.clipper.released.clear()
         self.original_optimizer.zero_grad(set_to_none=True)
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Whether the next :meth:`step` only ends a physical batch of a larger one (Opacus's API).
+
+        A skipped step keeps its samples' clipped sums for the batch's last step and charges,
+        noises and releases nothing; used by
+        :class:`gaussdp.torch.utils.batch_memory_manager.BatchMemoryManager`.
+        """
+        self._skip_queue.append(bool(do_skip))
 
     @property
     def summed_grads(self) -> dict[torch.nn.Parameter, torch.Tensor]:
@@ -146,11 +237,19 @@ class DPOptimizer(Optimizer):
         """
         return {p: s * self.expected_batch_size for p, s in self.clipper.summed.items()}
 
+    def _gradient_multiplier(self) -> float:
+        """The gradient's noise multiplier: ``noise_multiplier``, raised with adaptive clipping so
+        that the noisy count and the gradient together are charged at ``noise_multiplier``."""
+        z = self.noise_multiplier
+        if self.adaptive is None or z <= 0:
+            return z
+        return self.adaptive.gradient_multiplier(z)
+
     def _std(self) -> float:
         """The noise std on the averaged sum: ``sigma C / (q N)`` (0 on ranks other than 0)."""
         if not _adds_noise():
             return 0.0
-        return self.noise_multiplier * self.max_grad_norm / self.expected_batch_size
+        return self._gradient_multiplier() * self.max_grad_norm / self.expected_batch_size
 
     def _prefill(self, p: torch.nn.Parameter) -> tuple[torch.Tensor, float] | None:
         """The sum buffer of ``p`` for this step, holding the step's noise already.
@@ -213,17 +312,29 @@ class DPOptimizer(Optimizer):
         return out
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Charge one subsampled-Gaussian release, write noisy averaged gradients, take the step."""
+        """Charge one subsampled-Gaussian release, write noisy averaged gradients, take the step.
+
+        ``p.grad`` keeps the noisy averaged gradient after the step, as in Opacus (a plain gradient
+        added to it by a later backward pass is still refused). After :meth:`signal_skip_step`,
+        the samples are only kept for the batch's last step: nothing is charged or released.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self.clipper.check_no_plain_gradients()
+        if self._skip_queue and self._skip_queue.pop(0):
+            self._last_step_skipped = True
+            return loss
+        self._last_step_skipped = False
         self._check_samples()
         sigma = check_nonnegative("noise_multiplier", self.noise_multiplier)  # nothing charged yet
+        if self.adaptive is not None and sigma > 0:
+            self.adaptive.check(sigma)  # a multiplier set since make_private: before any charge
         self._on_step(sigma)  # charge before release, at the multiplier the noise uses
         noisy = self._noisy_sums()
-        _all_reduce(noisy)
+        count = self._noisy_unclipped_count(sigma)
+        _all_reduce(noisy + ([count] if count is not None else []))
         for p, s in zip(self.params, noisy, strict=True):
             p.grad = s.to(p.dtype)  # already divided by the expected batch size
         before = None
@@ -239,12 +350,32 @@ class DPOptimizer(Optimizer):
             )
         self.steps += 1
         self.clipper.reset()
+        if count is not None:
+            self._adapt_bound(float(count))
         if self._loader is not None:
             self._served_at_last_step = self._loader.samples_served
             self._batches_at_last_step = self._loader.batches_served
-        for p in self.params:
-            p.grad = None
+        self.clipper.released = {p: (p.grad, p.grad._version) for p in self.params if p.grad is not None}
         return loss
+
+    def _noisy_unclipped_count(self, sigma: float) -> torch.Tensor | None:
+        """Adaptive clipping: ``sum_i (b_i - 1/2)`` plus its noise (on rank 0 only), before the
+        all-reduce; released only after the step was charged."""
+        if self.adaptive is None:
+            return None
+        count = torch.tensor([self.clipper.unclipped - 0.5 * self.clipper.samples], dtype=torch.float64)
+        if sigma > 0 and _adds_noise():
+            add_standard_normal_(self.generator, count, self.adaptive.unclipped_num_std)
+        return count
+
+    def _adapt_bound(self, count: float) -> None:
+        a = self.adaptive
+        assert a is not None
+        fraction = count / self.expected_batch_size + 0.5
+        c = self.clipper.max_grad_norm * math.exp(
+            -a.clipbound_learning_rate * (fraction - a.target_unclipped_quantile)
+        )
+        self.clipper.max_grad_norm = min(a.max_clipbound, max(a.min_clipbound, c))
 
 
 def _moves(optimizer: Optimizer) -> bool:
