@@ -171,3 +171,38 @@ def test_pld_never_looser_than_rdp_on_very_long_runs(sigma, q, steps):
     rdp = accountant("rdp").compose(ev, steps)
     for delta in (1e-5, 1e-12):
         assert 0.0 < pld.epsilon(delta) <= rdp.epsilon(delta) * (1 + 1e-12)
+
+
+def _mp_one_step_delta(sigma, q, eps):
+    # 50-digit hockey-stick divergence of one Poisson-subsampled Gaussian step, both directions
+    # (Zhu, Dong & Wang 2022, Theorem 11), written out independently of gaussdp's log-space code.
+    mp = pytest.importorskip("mpmath")
+    mp.mp.dps = 50
+    s, qq, e = mp.mpf(sigma), mp.mpf(q), mp.mpf(eps)
+    t = mp.e**e - 1 + qq
+    x = s**2 * mp.log(t / qq) + mp.mpf(1) / 2
+    remove = qq * mp.ncdf((1 - x) / s) - t * mp.ncdf(-x / s)
+    u = mp.e ** (-e) - 1 + qq
+    add = mp.mpf(0)
+    if u > 0:
+        xa = s**2 * mp.log(u / qq) + mp.mpf(1) / 2
+        add = mp.ncdf(xa / s) * (1 - mp.e**e * (1 - qq)) - qq * mp.e**e * mp.ncdf((xa - 1) / s)
+    return max(remove, add)
+
+
+@pytest.mark.parametrize(("sigma", "q"), [(SIGMA, Q), (0.8, 0.001), (2.0, 0.05), (0.6, 0.02), (5.0, 1e-6)])
+def test_pld_one_step_is_the_exact_profile(sigma, q):
+    # One step is answered from the exact profile: never below the 50-digit value, at most the
+    # stated floating-point allowance above it, and both directions of the query agree.
+    acc = PLDAccountant().compose(SubsampledGaussianEvent(sigma, q))
+    for delta in (1e-3, 1e-5, 1e-10):
+        eps = acc.epsilon(delta)
+        exact_delta = float(_mp_one_step_delta(sigma, q, eps))
+        assert exact_delta <= delta  # eps is an upper bound: the exact delta there is within budget
+        if eps > 0.0:  # and tight: a little less epsilon would not do
+            assert float(_mp_one_step_delta(sigma, q, eps * (1 - 1e-5))) > delta * (1 - 1e-5)
+        for e in (eps, eps / 2, 2 * eps):
+            got, exact = acc.delta(e), float(_mp_one_step_delta(sigma, q, e))
+            assert exact <= got <= exact * (1 + 2e-6) + 1e-300
+    # no looser than dp_accounting's discretisation (up to the floating-point allowance)
+    assert acc.epsilon(1e-5) <= _dp_pld(sigma, q, 1, 1e-5) * (1 + 1e-6)
