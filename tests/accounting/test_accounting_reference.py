@@ -206,3 +206,22 @@ def test_pld_one_step_is_the_exact_profile(sigma, q):
             assert exact <= got <= exact * (1 + 2e-6) + 1e-300
     # no looser than dp_accounting's discretisation (up to the floating-point allowance)
     assert acc.epsilon(1e-5) <= _dp_pld(sigma, q, 1, 1e-5) * (1 + 1e-6)
+
+
+def test_pld_online_steps_convolve_the_checkpoint_and_agree_with_batch():
+    # Online (compose one step, query): up to _ONLINE_STEPS steps are convolved with the last full
+    # composition at the queried grid points. Same discrete PLD as a batch composition: the answers
+    # agree to rounding and the allowances, for epsilon and delta, across the leaf's count buckets.
+    from gaussdp.accounting.pld import _Stepped
+
+    ev = SubsampledGaussianEvent(SIGMA, Q)
+    acc = PLDAccountant()
+    for k in range(1, 301):
+        acc.compose(ev)
+        eps = acc.epsilon(DELTA)
+        if k in (2, 3, 16, 17, 40, 100, 255, 256, 257, 300):
+            batch = PLDAccountant().compose(ev, k)
+            assert eps == pytest.approx(batch.epsilon(DELTA), rel=1e-6)
+            for e in (0.5 * eps, eps, 2 * eps):
+                assert acc.delta(e) == pytest.approx(batch.delta(e), rel=1e-5, abs=1e-12)
+    assert isinstance(acc._current()["remove"], _Stepped)

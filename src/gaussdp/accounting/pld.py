@@ -90,6 +90,9 @@ _MAX_FFT = 1 << 24
 # Discretisation error the default grid aims at, relative to epsilon (results stay upper bounds; this
 # is how far above the exact epsilon they may be).
 _TARGET_REL = 4e-4
+# Online: at most this many steps of one event are added to the last full composition by direct
+# convolution at the queried points before a new full (FFT) composition is made.
+_ONLINE_STEPS = 64
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,33 @@ def _lambda_rungs(var_total: float, log_inv_tau: float) -> NDArray[np.intp]:
     return ok
 
 
+def _chernoff_end(parts: list[tuple[_LeafPMF, int]], sign: int, log_tau: float, var: float) -> float:
+    """min over the rungs lam of (sum_k c_k log M_k(sign lam) - log tau) / lam: a Chernoff end point.
+
+    Every rung gives a valid bound (P(sign S > t) <= tau at that t), so a local search from the
+    Gaussian optimum, which evaluates the moment generating functions at a few rungs only, is safe.
+    """
+
+    def f(i: int) -> float:
+        idx = np.array([i])
+        total = math.fsum(c * float(p.log_mgf(idx, sign)[0]) for p, c in parts)
+        return (total - log_tau) / float(_LAMBDAS[i])
+
+    lam_star = math.sqrt(2.0 * -log_tau / max(var, 1e-300))
+    i = int(np.clip(np.searchsorted(_LAMBDAS, lam_star), 0, len(_LAMBDAS) - 1))
+    best = f(i)
+    for step in (-1, 1):  # walk down while it improves; if it did not, walk up
+        j, moved = i + step, False
+        while 0 <= j < len(_LAMBDAS):
+            v = f(j)
+            if not v < best:
+                break
+            best, i, j, moved = v, j, j + step, True
+        if moved:
+            break
+    return best
+
+
 def _make_leaf(start: int, pmf: FloatArray, log_finite_mass: float, h: float) -> _LeafPMF:
     nz = np.nonzero(pmf > 0.0)[0]
     x = (start + nz).astype(np.float64) * h
@@ -158,6 +188,8 @@ class _Composed:
     inf_mass: float
     tail: float
     delta_grid: FloatArray  # delta at each grid point of the window, allowances included
+    a_suf: FloatArray  # A_j = sum_{i >= j} p_i (window only)
+    g_suf: FloatArray  # G_j = sum_{i >= j} p_i e^{-(i - j) h}
 
     def delta(self, epsilon: float) -> float:
         j = math.ceil(epsilon / self.h - 1e-12) - self.start  # first index with loss >= epsilon
@@ -166,11 +198,9 @@ class _Composed:
             return extra
         if j < 0:
             return 1.0  # below the window, where wrapped-around mass is not accounted for
-
-        losses = (self.start + np.arange(j, len(self.pmf))) * self.h
-        with np.errstate(over="ignore"):
-            w = -np.expm1(np.minimum(epsilon - losses, 0.0))
-        return extra + float(np.dot(self.pmf[j:], w))
+        # sum_{i >= j} p_i (1 - e^{eps - x_i}) = A_j - e^{eps - x_j} G_j
+        x_j = (self.start + j) * self.h
+        return extra + max(0.0, float(self.a_suf[j]) - math.exp(epsilon - x_j) * float(self.g_suf[j]))
 
     def epsilon(self, delta: float) -> float:
         d = self.delta_grid
@@ -181,16 +211,128 @@ class _Composed:
         eps_j = (self.start + j) * self.h
         if j == 0:
             return eps_j
-        # Between grid points the profile is A - e^eps G (exact for this discrete PLD): solve it.
-        tail = self.pmf[j:]
-        losses = (self.start + np.arange(j, len(self.pmf))) * self.h
-        a = self.inf_mass + self.tail + float(tail.sum())
-        g = float(np.dot(tail, np.exp(eps_j - losses)))
-        if g > 0.0 and a - delta > 0.0:
-            eps = eps_j + math.log((a - delta) / g)
-            eps = min(eps_j, max(eps_j - self.h, eps))
-            return eps + 1e-12 * max(1.0, abs(eps))
-        return eps_j
+        a = self.inf_mass + self.tail + float(self.a_suf[j])
+        return _solve_between(eps_j, self.h, a, float(self.g_suf[j]), delta)
+
+
+def _solve_between(eps_j: float, h: float, a: float, g: float, delta: float) -> float:
+    """Smallest eps in [eps_j - h, eps_j] with a - e^{eps - eps_j} g <= delta, rounded up.
+
+    Between two grid points the profile of a discrete PLD is exactly ``A - e^eps G`` (the set of
+    losses above eps does not change), so the crossing has a closed form.
+    """
+    if g > 0.0 and a - delta > 0.0 and math.isfinite(a) and math.isfinite(g):
+        eps = eps_j + math.log((a - delta) / g)
+        eps = min(eps_j, max(eps_j - h, eps))
+        return eps + 1e-12 * max(1.0, abs(eps))
+    return eps_j
+
+
+@dataclass(frozen=True)
+class _MFold:
+    """``m`` steps of one event as a discrete PLD on its own window (for online composition)."""
+
+    start: int
+    pmf: FloatArray
+    cum: FloatArray  # cum[t] = sum of pmf[:t]
+    g: FloatArray  # g[t] = sum_{t' >= t} pmf[t'] e^{-(t' - t) h}
+    extra: float
+    rev: FloatArray  # pmf[::-1], contiguous  # mass at +inf, Chernoff tail above the window, FFT allowance
+
+
+@dataclass(frozen=True)
+class _Stepped:
+    """A composed PLD (a checkpoint) followed by ``m`` more steps of one event, never materialised.
+
+    Delta, the suffix mass A and the discounted suffix G of a composition are all convolutions of
+    the checkpoint's with the added steps' PMF (``delta_{S+T}(x) = sum_t w_t delta_S(x - t)``), so a
+    query evaluates them at a few grid points with dot products of the added steps' PMF against the
+    checkpoint's arrays: O(width of m steps) per point instead of an FFT of the whole window. Outside
+    the checkpoint's window the bounds used are pessimistic: delta and A are 1 (plus allowances)
+    below it and the allowances above it; G (subtracted) is 0 outside.
+    """
+
+    base: _Composed
+    more: _MFold
+
+    def _conv(self, arr: FloatArray, j_abs: int, below: float, below_exp: float, above: float) -> float:
+        """sum_t w_t f(j_abs - l_t) with f = arr in the checkpoint's window, ``above`` above it, and
+        ``below + below_exp e^{(j - start) h}`` at grid index j below it."""
+        w, cum = self.more.pmf, self.more.cum
+        n0, length = len(arr), len(w)
+        u = j_abs - self.more.start - self.base.start  # arr index paired with w[0]
+        total = 0.0
+        if u >= n0:  # w[t] with t <= u - n0 lands above the window
+            total += above * float(cum[min(length, u - n0 + 1)])
+        t_below = max(0, u + 1)  # w[t] with t > u lands below it
+        if t_below < length:
+            total += below * float(cum[length] - cum[t_below])
+            if below_exp != 0.0:
+                # sum_{t >= t_below} w_t e^{(u - t) h} = e^{(u - t_below) h} Gw[t_below]
+                total += below_exp * math.exp((u - t_below) * self.base.h) * float(self.more.g[t_below])
+        t_lo, t_hi = max(0, u - n0 + 1), min(length - 1, u)
+        if t_lo <= t_hi:
+            wr = self.more.rev  # w reversed and contiguous: w[t_hi], ..., w[t_lo] is one slice of it
+            # einsum, not np.dot: BLAS's threaded dot costs milliseconds to wake its threads per call
+            total += float(
+                np.einsum("i,i->", wr[length - 1 - t_hi : length - t_lo], arr[u - t_hi : u - t_lo + 1])
+            )
+        return total
+
+    def _extra0(self) -> float:
+        return (self.base.inf_mass + self.base.tail) * max(1.0, float(self.more.cum[-1]))
+
+    def _delta_at(self, j_abs: int) -> float:
+        # Below the window the checkpoint's delta is A_0 - e^{x - x_0} G_0 + allowances (the mass
+        # below the window wrapped into it, where it counts pessimistically).
+        b = self.base
+        e0 = b.inf_mass + b.tail
+        below = float(b.a_suf[0]) + e0
+        return self._conv(b.delta_grid, j_abs, below, -float(b.g_suf[0]), e0) + self.more.extra
+
+    def _a_g(self, j_abs: int) -> tuple[float, float]:
+        b = self.base
+        a = self._conv(b.a_suf, j_abs, float(b.a_suf[0]), 0.0, 0.0) + self._extra0() + self.more.extra
+        return a, self._conv(b.g_suf, j_abs, 0.0, float(b.g_suf[0]), 0.0)
+
+    def delta(self, epsilon: float) -> float:
+        h = self.base.h
+        j = math.ceil(epsilon / h - 1e-12)
+        a, g = self._a_g(j)
+        return max(self._extra0() + self.more.extra, a - math.exp(epsilon - j * h) * g)
+
+    def epsilon(self, delta: float, guess: float) -> float:
+        h = self.base.h
+        top = self.base.start + len(self.base.pmf) + self.more.start + len(self.more.pmf) + 1
+        bottom = self.base.start + self.more.start - 1
+        if self._delta_at(top) > delta:
+            raise _BelowFloor
+        # smallest grid index j with delta(x_j) <= delta (delta is non-increasing): bracket from the
+        # guess by doubling steps (delta(bottom) ~ 1 > delta and delta(top) <= delta), then bisect.
+        j = min(top, max(bottom, math.ceil(guess / h)))
+        step = 1
+        if self._delta_at(j) <= delta:
+            hi_j = j
+            while True:
+                lo_j = max(bottom, hi_j - step)
+                if lo_j == bottom or self._delta_at(lo_j) > delta:
+                    break
+                hi_j, step = lo_j, step * 2
+        else:
+            lo_j = j
+            while True:
+                hi_j = min(top, lo_j + step)
+                if hi_j == top or self._delta_at(hi_j) <= delta:
+                    break
+                lo_j, step = hi_j, step * 2
+        while hi_j - lo_j > 1:
+            mid = (lo_j + hi_j) // 2
+            if self._delta_at(mid) <= delta:
+                hi_j = mid
+            else:
+                lo_j = mid
+        a, g = self._a_g(hi_j)
+        return _solve_between(hi_j * h, h, a, g, delta)
 
 
 # Relative allowance on the exact one-step delta for floating-point error: against 50-digit mpmath,
@@ -210,6 +352,12 @@ def _one_step_delta(event: SubsampledGaussianEvent, epsilon: float) -> float:
         float(subsampled_log_delta(sigma, q, epsilon, "add")[0]),
     )
     return min(1.0, math.exp(log_d) * (1.0 + _ONE_STEP_REL))
+
+
+def _bucket(count: int) -> int:
+    """The count rounded up to a power of 16: per-step truncation is sized for it, so the cached
+    discretisation of an event changes only a few times while a training loop adds steps."""
+    return 1 << (4 * math.ceil(max(0, (count - 1).bit_length()) / 4))
 
 
 class _BelowFloor(Exception):
@@ -269,6 +417,11 @@ class PLDAccountant(Accountant):
         self._leaf_cache: dict[tuple[object, ...], _LeafPMF] = {}
         self._spec_cache: dict[tuple[int, int], NDArray[np.complex128]] = {}
         self._fft_state: dict[Direction, tuple[float, int, int, dict[int, int], NDArray[np.complex128]]] = {}
+        # Online use: the last full composition (grid, counts, per-direction PLD) and the PMFs of a few
+        # more steps of one event, so that a query after each step costs dot products, not FFTs.
+        self._checkpoint: tuple[float, dict[Event, int], dict[Direction, _Composed]] | None = None
+        self._mfold_cache: dict[tuple[object, ...], _MFold] = {}
+        self._last_eps: dict[float, float] = {}
 
     def _supports_leaf(self, leaf: Event) -> bool:
         return isinstance(leaf, GaussianEvent | SubsampledGaussianEvent | EpsilonDeltaEvent)
@@ -295,7 +448,7 @@ class PLDAccountant(Accountant):
         if delta < self._rdp_below:
             return self._small_delta_epsilon(delta)
         try:
-            eps = max(0.0, max(c.epsilon(delta) for c in self._compose_all().values()))
+            eps = max(0.0, self._plain_epsilon(delta))
         except _BelowFloor:
             return self._small_delta_epsilon(delta)
         if self._grid_is_coarse():
@@ -306,6 +459,71 @@ class PLDAccountant(Accountant):
         if any(isinstance(e, EpsilonDeltaEvent) for e in self._counts):
             eps = min(eps, self._basic_fallback_epsilon(delta))  # both are upper bounds
         return eps
+
+    def _plain_epsilon(self, delta: float) -> float:
+        out = []
+        guess = self._last_eps.get(delta)
+        for c in self._current().values():
+            if isinstance(c, _Stepped):
+                out.append(c.epsilon(delta, c.base.epsilon(delta) if guess is None else guess))
+            else:
+                out.append(c.epsilon(delta))
+        eps = max(out)
+        self._last_eps[delta] = eps
+        return eps
+
+    def _current(self) -> dict[Direction, _Composed] | dict[Direction, _Stepped]:
+        """The composed PLD per direction: the last full composition plus, online, a few more steps.
+
+        A full composition (FFT) is made when nothing usable is kept; it becomes the checkpoint. While
+        the composition differs from the checkpoint only by ``m <= _ONLINE_STEPS`` more steps of one
+        subsampled event, those steps' PMF (cached per ``m``) is convolved with the checkpoint at the
+        grid points a query needs (:class:`_Stepped`): the same discrete PLD, without an FFT.
+        """
+        h = self._grid_h()
+        ck = self._checkpoint
+        if ck is not None and ck[0] == h:
+            base_counts = ck[1]
+            more = {
+                e: c - base_counts.get(e, 0) for e, c in self._counts.items() if c != base_counts.get(e, 0)
+            }
+            if all(self._counts.get(e, 0) >= c for e, c in base_counts.items()):
+                if not more:
+                    return ck[2]
+                if len(more) == 1:
+                    ((e, m),) = more.items()
+                    if isinstance(e, SubsampledGaussianEvent) and m <= _ONLINE_STEPS:
+                        count = self._counts[e]
+                        return {d: _Stepped(ck[2][d], self._mfold(e, m, count, d, h)) for d in ck[2]}
+        full = self._compose_all()
+        self._checkpoint = (h, dict(self._counts), full)
+        self._mfold_cache = {k: v for k, v in self._mfold_cache.items() if k[2] == h}
+        return full
+
+    def _mfold(self, event: Event, m: int, count: int, direction: Direction, h: float) -> _MFold:
+        """The discrete PLD of ``m`` steps of ``event`` on its own window (Chernoff ends, as always)."""
+        leaf = self._leaf_pmf(event, count, direction, h)
+        key = (id(leaf), direction, h, m)
+        hit = self._mfold_cache.get(key)
+        if hit is not None:
+            return hit
+        lo, hi, tail = self._window([(leaf, m)], h)
+        start = math.floor(lo / h)
+        n = int(fft.next_fast_len(math.ceil(hi / h) - start + 1, real=True))
+        buf = np.zeros(n)
+        np.add.at(buf, (leaf.start + np.arange(len(leaf.pmf))) % n, leaf.pmf)
+        spec = fft.rfft(buf)
+        pmf = np.maximum(np.roll(fft.irfft(spec if m == 1 else np.power(spec, m), n=n), -(start % n)), 0.0)
+        nz = np.nonzero(pmf)[0]
+        if len(nz) == 0:
+            nz = np.array([0])
+        pmf = pmf[nz[0] : nz[-1] + 1]
+        inf_mass = -math.expm1(m * leaf.log_finite_mass)
+        cum = np.concatenate(([0.0], np.cumsum(pmf)))
+        extra = inf_mass + tail + self._fft_floor
+        out = _MFold(start + int(nz[0]), pmf, cum, _discounted_suffix(pmf, h), extra, pmf[::-1].copy())
+        self._mfold_cache[key] = out
+        return out
 
     def _grid_is_coarse(self) -> bool:
         """Whether h exceeds a tenth of the per-step loss spread (very long runs with tiny losses).
@@ -336,6 +554,10 @@ class PLDAccountant(Accountant):
         except InvalidParameter:
             pass
         h = self._grid_h()
+        if self._h is None:
+            # The tilted composition's rounding allowance grows like 1/h: it keeps the default grid on
+            # whole powers of two (never coarser than the plain path's), where it was calibrated.
+            h = float(2.0 ** math.floor(math.log2(h)))
         # A fresh accountant on the same grid whose truncation moves far less than delta to +inf.
         fine_tail = PLDAccountant(
             value_discretization_interval=h, tail_mass=min(self._tail_mass, delta * 1e-4)
@@ -425,7 +647,7 @@ class PLDAccountant(Accountant):
         one = self._single_step()
         if one is not None:
             return _one_step_delta(one, epsilon)
-        d = max(c.delta(epsilon) for c in self._compose_all().values())
+        d = max(c.delta(epsilon) for c in self._current().values())
         if d < self._rdp_below or self._grid_is_coarse():
             # Near the FFT noise allowance: the RDP bound (also valid) may be smaller.
             try:
@@ -490,9 +712,12 @@ class PLDAccountant(Accountant):
             default=math.inf,
         )
         h = min(h, eps_min / 2000.0)
-        # A power of two, so that h (and the cached per-event discretisations) change only when the
-        # composition doubles or halves in scale: online use recomputes almost nothing.
-        h = float(2.0 ** math.floor(math.log2(h)))
+        # On a ladder of quarter powers of two, so that h (and the cached per-event discretisations)
+        # change only when the composition changes scale: online use recomputes almost nothing.
+        # (Whole powers of two where (epsilon, delta) events are present: their losses +-epsilon are
+        # rounded up to the grid, and the tests of their exact composition were calibrated there.)
+        rungs_per_octave = 1.0 if eps_min < math.inf else 4.0
+        h = float(2.0 ** (math.floor(rungs_per_octave * math.log2(h)) / rungs_per_octave))
         # Too fine a grid for the profile's floating-point accuracy: connect-the-dots takes second
         # differences of delta, whose rounding grows like 1/h and shows as mass above 1 in the
         # discrete PLD; raised to a large count it swamps the answer. Coarsen until the composed
@@ -518,7 +743,7 @@ class PLDAccountant(Accountant):
         return 0.0
 
     def _support(self, sigma: float, q: float, count: int, direction: Direction) -> tuple[float, float]:
-        bucket = 1 << max(0, (count - 1).bit_length())
+        bucket = _bucket(count)
         z = float(-special.ndtri(self._tail_mass / (4.0 * bucket)))
         if q >= 1.0:
             mu = 1.0 / sigma
@@ -529,9 +754,9 @@ class PLDAccountant(Accountant):
         return -float(np.logaddexp(log1mq, log_q + (2 * z * sigma - 1) / (2 * sigma**2))), -log1mq
 
     def _leaf_pmf(self, leaf: Event | float, count: int, direction: Direction, h: float) -> _LeafPMF:
-        # Per-step truncation mass shrinks with the count, on a doubling grid so that the cache is
+        # Per-step truncation mass shrinks with the count, on powers of 16 (_bucket) so that the cache is
         # reused while a training loop composes one step at a time.
-        bucket = 1 << max(0, (count - 1).bit_length())
+        bucket = _bucket(count)
         key = (leaf, direction, h, bucket)
         hit = self._leaf_cache.get(key)
         if hit is not None:
@@ -595,7 +820,7 @@ class PLDAccountant(Accountant):
         d[:-1] = a_suf[1:] - math.exp(-h) * g_suf[1:]
         d[-1] = 0.0
         delta_grid = np.maximum(d, 0.0) + extra
-        return _Composed(h, start, pmf, inf_mass, tail + self._fft_floor, delta_grid)
+        return _Composed(h, start, pmf, inf_mass, tail + self._fft_floor, delta_grid, a_suf, g_suf)
 
     def _spectrum(
         self, direction: Direction, h: float, parts: list[tuple[_LeafPMF, int]], lo: float, hi: float
@@ -624,11 +849,11 @@ class PLDAccountant(Accountant):
                         spec *= ls if extra == 1 else np.power(ls, extra)
                 self._fft_state[direction] = (h, s_n, s_start, ids, spec)
                 return s_n, s_start, spec
-        # Rebuild with a margin of a quarter of the width on each side, so that the window stays valid
-        # while the composition grows (the mean drifts, the spread widens).
-        width = hi - lo
-        start = math.floor((lo - 0.25 * width) / h)
-        n = int(fft.next_fast_len(math.ceil((hi + 0.25 * width) / h) - start + 1, real=True))
+        # A first query gets the window it needs. Rebuilds (online use) get a margin of a quarter of the
+        # width on each side, so that the window stays valid while the composition grows.
+        margin = 0.25 * (hi - lo) if st is not None else 0.0
+        start = math.floor((lo - margin) / h)
+        n = int(fft.next_fast_len(math.ceil((hi + margin) / h) - start + 1, real=True))
         if n > _MAX_FFT:
             raise InvalidParameter(
                 f"the composed privacy loss spans {hi - lo:.3g} nats: too wide for the PLD grid h={h:g}; "
@@ -663,15 +888,9 @@ class PLDAccountant(Accountant):
         """
         mean = math.fsum(c * p.mean for p, c in parts)
         log_tau = math.log(self._tail_mass)
-        rungs = _lambda_rungs(math.fsum(c * p.var for p, c in parts), -log_tau)
-        lams = _LAMBDAS[rungs]
-        log_mgf = np.zeros(len(rungs))
-        log_mgf_neg = np.zeros(len(rungs))
-        for p, c in parts:
-            log_mgf += c * p.log_mgf(rungs, 1)
-            log_mgf_neg += c * p.log_mgf(rungs, -1)
-        hi = float(np.min((log_mgf - log_tau) / lams))
-        lo = float(np.max((log_tau - log_mgf_neg) / lams))
+        var = math.fsum(c * p.var for p, c in parts)
+        hi = _chernoff_end(parts, 1, log_tau, var)
+        lo = -_chernoff_end(parts, -1, log_tau, var)
         hi = max(hi, mean + h)
         lo = min(lo, mean - h)
         return lo, hi, self._tail_mass
