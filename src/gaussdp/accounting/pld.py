@@ -45,6 +45,7 @@ References:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -153,27 +154,33 @@ def _chernoff_end(parts: list[tuple[_LeafPMF, int]], sign: int, log_tau: float, 
         total = math.fsum(c * float(p.log_mgf(idx, sign)[0]) for p, c in parts)
         return (total - log_tau) / float(_LAMBDAS[i])
 
-    lam_star = math.sqrt(2.0 * -log_tau / max(var, 1e-300))
-    i = int(np.clip(np.searchsorted(_LAMBDAS, lam_star), 0, len(_LAMBDAS) - 1))
+    return _rung_search(f, var, -log_tau)
+
+
+def _rung_search(f: Callable[[int], float], var: float, log_inv_tau: float) -> float:
+    """A local minimum over rung indices of ``f``, from the Gaussian-optimal rung for a tail of mass
+    tau and variance var: strides of 4 rungs while it improves (down first, else up), then a refine.
+    Any rung's value is a valid bound; the search only makes it tight."""
+    lam_star = math.sqrt(2.0 * log_inv_tau / max(var, 1e-300))
+    last = len(_LAMBDAS) - 1
     memo: dict[int, float] = {}
 
     def g(j: int) -> float:
-        j = min(len(_LAMBDAS) - 1, max(0, j))
+        j = min(last, max(0, j))
         if j not in memo:
             memo[j] = f(j)
         return memo[j]
 
-    # walk in strides of 4 rungs while it improves (down first, else up), then refine around the best
-    best_i = i
+    best_i = int(np.clip(np.searchsorted(_LAMBDAS, lam_star), 0, last))
     for step in (-4, 4):
         j, moved = best_i + step, False
-        while 0 <= j < len(_LAMBDAS) and g(j) < g(best_i):
+        while 0 <= j <= last and g(j) < g(best_i):
             best_i, j, moved = j, j + step, True
         if moved:
             break
     for j in range(best_i - 3, best_i + 4):
         if g(j) < g(best_i):
-            best_i = min(len(_LAMBDAS) - 1, max(0, j))
+            best_i = min(last, max(0, j))
     return g(best_i)
 
 
@@ -344,6 +351,19 @@ class _Stepped:
         return _solve_between(hi_j * h, h, a, g, delta)
 
 
+class _PerDirection(dict):
+    """direction -> composed PLD, each computed on first use (a certified direction never is)."""
+
+    def __init__(self, make: Callable[[Direction], _Composed | _Stepped]) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, direction: Direction) -> _Composed | _Stepped:
+        value = self._make(direction)
+        self[direction] = value
+        return value
+
+
 # Relative allowance on the exact one-step delta for floating-point error: against 50-digit mpmath,
 # subsampled_log_delta is within 1e-8 of the true delta wherever delta > 1e-30 (sigma in [0.3, 1e3],
 # q in [1e-9, 1], epsilon in [1e-9, 30]; tests/accounting check it).
@@ -422,15 +442,16 @@ class PLDAccountant(Accountant):
         self._tail_mass = float(tail_mass)
         self._fft_floor = float(fft_floor)
         self._rdp_below = float(rdp_below)
-        self._composed: dict[Direction, _Composed] | None = None
+        self._composed: _PerDirection | None = None
         self._leaf_cache: dict[tuple[object, ...], _LeafPMF] = {}
         self._spec_cache: dict[tuple[int, int], NDArray[np.complex128]] = {}
         self._fft_state: dict[Direction, tuple[float, int, int, dict[int, int], NDArray[np.complex128]]] = {}
         # Online use: the last full composition (grid, counts, per-direction PLD) and the PMFs of a few
         # more steps of one event, so that a query after each step costs dot products, not FFTs.
-        self._checkpoint: tuple[float, dict[Event, int], dict[Direction, _Composed]] | None = None
+        self._checkpoint: tuple[float, dict[Event, int], _PerDirection] | None = None
         self._mfold_cache: dict[tuple[object, ...], _MFold] = {}
         self._last_eps: dict[float, float] = {}
+        self._add_needed = False  # the add direction could not be certified negligible once already
 
     def _supports_leaf(self, leaf: Event) -> bool:
         return isinstance(leaf, GaussianEvent | SubsampledGaussianEvent | EpsilonDeltaEvent)
@@ -470,41 +491,71 @@ class PLDAccountant(Accountant):
         return eps
 
     def _plain_epsilon(self, delta: float) -> float:
-        out = []
         guess = self._last_eps.get(delta)
-        for c in self._current().values():
+        cur = self._current()
+
+        def eps_of(c: _Composed | _Stepped) -> float:
             if isinstance(c, _Stepped):
-                out.append(c.epsilon(delta, c.base.epsilon(delta) if guess is None else guess))
-            else:
-                out.append(c.epsilon(delta))
-        eps = max(out)
+                return c.epsilon(delta, c.base.epsilon(delta) if guess is None else guess)
+            return c.epsilon(delta)
+
+        eps = eps_of(cur["remove"])
+        if self._add_needed or self._add_delta_bound(eps) > delta:  # not certified: compose add too
+            self._add_needed = True  # certificates fail for long runs and stay failing: stop trying
+            eps = max(eps, eps_of(cur["add"]))
         self._last_eps[delta] = eps
         return eps
 
-    def _current(self) -> dict[Direction, _Composed] | dict[Direction, _Stepped]:
+    def _add_delta_bound(self, epsilon: float) -> float:
+        """An upper bound on the add direction's delta at ``epsilon``, without composing it.
+
+        For the discrete add-direction PLD of the composition (a dominating pair),
+        ``delta(eps) <= P(L = inf) + P(eps < L < inf) <= P(L = inf) + finite mass * min_lam
+        exp(sum_k c_k log M_k(lam) - lam eps)`` (Chernoff; the MGF of a sum of independent losses is
+        the product). Where this is already at most the remove direction's answer, the add direction
+        cannot raise the maximum, and its FFT is skipped (the usual case for short runs and large
+        epsilon, where the remove direction dominates by orders of magnitude).
+        """
+        if any(not isinstance(e, SubsampledGaussianEvent) for e in self._counts):
+            return math.inf
+        h = self._grid_h()
+        parts = self._parts("add", h)
+        log_finite = math.fsum(c * p.log_finite_mass for p, c in parts)
+        var = math.fsum(c * p.var for p, c in parts)
+
+        def f(i: int) -> float:
+            idx = np.array([i])
+            total = math.fsum(c * float(p.log_mgf(idx, 1)[0]) for p, c in parts)
+            return total - float(_LAMBDAS[i]) * epsilon
+
+        log_bound = _rung_search(f, var, math.log(1e5))
+        return -math.expm1(log_finite) + math.exp(min(0.0, log_finite + log_bound))
+
+    def _current(self) -> _PerDirection:
         """The composed PLD per direction: the last full composition plus, online, a few more steps.
 
         A full composition (FFT) is made when nothing usable is kept; it becomes the checkpoint. While
         the composition differs from the checkpoint only by ``m <= _ONLINE_STEPS`` more steps of one
         subsampled event, those steps' PMF (cached per ``m``) is convolved with the checkpoint at the
-        grid points a query needs (:class:`_Stepped`): the same discrete PLD, without an FFT.
+        grid points a query needs (:class:`_Stepped`): the same discrete PLD, without an FFT. Each
+        direction is computed only when asked for.
         """
         h = self._grid_h()
         ck = self._checkpoint
         if ck is not None and ck[0] == h:
-            base_counts = ck[1]
+            base_counts, base = ck[1], ck[2]
             more = {
                 e: c - base_counts.get(e, 0) for e, c in self._counts.items() if c != base_counts.get(e, 0)
             }
             if all(self._counts.get(e, 0) >= c for e, c in base_counts.items()):
                 if not more:
-                    return ck[2]
+                    return base
                 if len(more) == 1:
                     ((e, m),) = more.items()
                     if isinstance(e, SubsampledGaussianEvent) and m <= _ONLINE_STEPS:
                         count = self._counts[e]
-                        return {d: _Stepped(ck[2][d], self._mfold(e, m, count, d, h)) for d in ck[2]}
-        full = self._compose_all()
+                        return _PerDirection(lambda d: _Stepped(base[d], self._mfold(e, m, count, d, h)))
+        full = self._compose_lazy()
         self._checkpoint = (h, dict(self._counts), full)
         self._mfold_cache = {k: v for k, v in self._mfold_cache.items() if k[2] == h}
         return full
@@ -640,12 +691,17 @@ class PLDAccountant(Accountant):
             return eps + 1e-12 * max(1.0, abs(eps))
         return eps_next
 
-    def _parts(self, direction: Direction, h: float) -> list[tuple[_LeafPMF, int]]:
+    def _parts(
+        self, direction: Direction, h: float, counts: dict[Event, int] | None = None
+    ) -> list[tuple[_LeafPMF, int]]:
+        counts = self._counts if counts is None else counts
         parts: list[tuple[_LeafPMF, int]] = []
-        mu = self._gaussian_mu()
+        mu = math.sqrt(
+            math.fsum(c / e.noise_multiplier**2 for e, c in counts.items() if isinstance(e, GaussianEvent))
+        )
         if mu > 0.0:
             parts.append((self._leaf_pmf(1.0 / mu, 1, direction, h), 1))
-        for e, c in self._counts.items():
+        for e, c in counts.items():
             if not isinstance(e, GaussianEvent):
                 parts.append((self._leaf_pmf(e, c, direction, h), c))
         return parts
@@ -656,7 +712,10 @@ class PLDAccountant(Accountant):
         one = self._single_step()
         if one is not None:
             return _one_step_delta(one, epsilon)
-        d = max(c.delta(epsilon) for c in self._current().values())
+        cur = self._current()
+        d = cur["remove"].delta(epsilon)
+        if self._add_needed or self._add_delta_bound(epsilon) > d:
+            d = max(d, cur["add"].delta(epsilon))
         if d < self._rdp_below or self._grid_is_coarse():
             # Near the FFT noise allowance: the RDP bound (also valid) may be smaller.
             try:
@@ -809,16 +868,21 @@ class PLDAccountant(Accountant):
         return out
 
     def _compose_all(self) -> dict[Direction, _Composed]:
-        if self._composed is not None:
-            return self._composed
-        h = self._grid_h()
-        directions: tuple[Direction, ...] = ("remove", "add")
-        fresh: dict[Direction, _Composed] = {d: self._compose_direction(d, h) for d in directions}
-        self._composed = fresh
-        return fresh
+        """Both directions composed (FFT), as a plain dict."""
+        lazy = self._compose_lazy()
+        return {d: lazy[d] for d in ("remove", "add")}
 
-    def _compose_direction(self, direction: Direction, h: float) -> _Composed:
-        parts = self._parts(direction, h)
+    def _compose_lazy(self) -> _PerDirection:
+        if self._composed is None:
+            h = self._grid_h()
+            counts = dict(self._counts)  # a direction composed later must see these counts
+            self._composed = _PerDirection(lambda d: self._compose_direction(d, h, counts))
+        return self._composed
+
+    def _compose_direction(
+        self, direction: Direction, h: float, counts: dict[Event, int] | None = None
+    ) -> _Composed:
+        parts = self._parts(direction, h, counts)
         log_finite = math.fsum(c * p.log_finite_mass for p, c in parts)
         inf_mass = -math.expm1(log_finite)
         lo, hi, tail = self._window(parts, h)
