@@ -14,7 +14,9 @@ How the accuracy is made equal:
   pessimistic) with the coarsest h on the ladder 1e-4 * 2^(j/4) whose epsilon is no further above
   ``exact`` than ours is (floor 0.01%, below which dp_accounting's grid would have to be vanishingly
   fine for one step). Coarser grids are faster, so this is dp_accounting's fastest run at our accuracy.
-* Times are medians of ``--repeats`` fresh runs (fresh accountant each time: nothing cached across).
+* Times are medians of ``--repeats`` fresh runs (fresh accountant each time: nothing cached across),
+  ours and dp_accounting's alternating; the speedup is the median of the per-pair ratios (the machine
+  these were written on is shared, and its load changes within seconds).
 
 Online: ours is timed per step over all steps (median and mean, the mean including every re-grid).
 dp_accounting (its accountant composes each new step into the composed PLD) at the h tuned for the
@@ -74,13 +76,22 @@ def _theirs(sigma: float, q: float, steps: int, h: float) -> float:
     return float(acc.get_epsilon(DELTA))
 
 
-def _timed(fn: Callable[[], float], repeats: int) -> tuple[float, float]:
-    times, value = [], 0.0
+def _timed_pair(
+    ours: Callable[[], float], theirs: Callable[[], float], repeats: int
+) -> tuple[float, float, float, float, float]:
+    """Both timed alternately (ours, theirs, ours, ...) so that load on a shared machine hits both
+    alike; returns the two values, the two median times and the median of the per-pair ratios."""
+    t_ours, t_theirs, ratios = [], [], []
+    v_ours = v_theirs = 0.0
     for _ in range(repeats):
         t = time.perf_counter()
-        value = fn()
-        times.append(time.perf_counter() - t)
-    return value, statistics.median(times)
+        v_ours = ours()
+        t_ours.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        v_theirs = theirs()
+        t_theirs.append(time.perf_counter() - t)
+        ratios.append(t_theirs[-1] / t_ours[-1])
+    return v_ours, v_theirs, statistics.median(t_ours), statistics.median(t_theirs), statistics.median(ratios)
 
 
 def _exact(sigma: float, q: float, steps: int) -> tuple[float, float]:
@@ -163,7 +174,7 @@ def main() -> None:
     ap.add_argument("--online-steps", type=int, default=10_000)
     args = ap.parse_args()
 
-    print(f"epsilon at delta={DELTA:g}; times are medians of {args.repeats} fresh runs")
+    print(f"epsilon at delta={DELTA:g}; times are medians of {args.repeats} alternating fresh runs")
     header = (
         f"{'sigma':>5} {'q':>9} {'steps':>7} | {'exact':>9} {'ref+%':>6} | {'ours':>9} {'+%':>6} | "
         f"{'dp h':>8} {'dp_acc':>9} {'+%':>6} | {'ours s':>8} {'dp s':>8} {'speedup':>7}"
@@ -173,11 +184,14 @@ def main() -> None:
     ratios, excess = [], []
     for sigma, q, steps in SETTINGS:
         exact, ref_err = _exact(sigma, q, steps)
-        ours, t_ours = _timed(lambda s=sigma, p=q, n=steps: _ours(s, p, n), args.repeats)
-        ex = ours / exact - 1
+        ex = _ours(sigma, q, steps) / exact - 1
         h_dp, _ = _tune_dp(sigma, q, steps, exact * (1 + max(ex, DP_FLOOR)))
-        theirs, t_theirs = _timed(lambda s=sigma, p=q, n=steps, h=h_dp: _theirs(s, p, n, h), args.repeats)
-        ratios.append(t_theirs / t_ours)
+        ours, theirs, t_ours, t_theirs, ratio = _timed_pair(
+            lambda s=sigma, p=q, n=steps: _ours(s, p, n),
+            lambda s=sigma, p=q, n=steps, h=h_dp: _theirs(s, p, n, h),
+            args.repeats,
+        )
+        ratios.append(ratio)
         excess.append(100 * ex)
         print(
             f"{sigma:>5g} {q:>9.6f} {steps:>7d} | {exact:>9.5f} {100 * ref_err:>6.4f} | {ours:>9.5f}"
