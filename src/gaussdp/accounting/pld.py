@@ -188,8 +188,8 @@ def _make_leaf(start: int, pmf: FloatArray, log_finite_mass: float, h: float) ->
     nz = np.nonzero(pmf > 0.0)[0]
     x = (start + nz).astype(np.float64) * h
     w = pmf[nz] / pmf[nz].sum()
-    m = float(np.dot(w, x))
-    v = float(np.dot(w, (x - m) ** 2))
+    m = float(np.einsum("i,i->", w, x))  # einsum, not np.dot: no BLAS threads to wake (see _conv)
+    v = float(np.einsum("i,i->", w, (x - m) ** 2))
     excess = float(np.sum(pmf)) - math.exp(log_finite_mass) if math.isfinite(log_finite_mass) else 0.0
     return _LeafPMF(start, pmf, log_finite_mass, m, v, x, np.log(w), excess)
 
@@ -500,7 +500,7 @@ class PLDAccountant(Accountant):
         # more steps of one event, so that a query after each step costs dot products, not FFTs.
         self._checkpoint: tuple[float, dict[Event, int], _PerDirection] | None = None
         self._mfold_cache: dict[tuple[object, ...], _MFold] = {}
-        self._last_eps: dict[float, float] = {}
+        self._last_eps: dict[tuple[Direction, float], float] = {}
         self._add_needed = False  # the add direction could not be certified negligible once already
 
     def _supports_leaf(self, leaf: Event) -> bool:
@@ -541,19 +541,23 @@ class PLDAccountant(Accountant):
         return eps
 
     def _plain_epsilon(self, delta: float) -> float:
-        guess = self._last_eps.get(delta)
         cur = self._current()
 
-        def eps_of(c: _Composed | _Stepped) -> float:
+        def eps_of(direction: Direction) -> float:
+            c = cur[direction]
             if isinstance(c, _Stepped):
-                return c.epsilon(delta, c.base.epsilon(delta) if guess is None else guess)
-            return c.epsilon(delta)
+                # start the search from this direction's previous answer (online: a grid step away)
+                guess = self._last_eps.get((direction, delta))
+                out = c.epsilon(delta, c.base.epsilon(delta) if guess is None else guess)
+            else:
+                out = c.epsilon(delta)
+            self._last_eps[(direction, delta)] = out
+            return out
 
-        eps = eps_of(cur["remove"])
+        eps = eps_of("remove")
         if self._add_needed or self._add_delta_bound(eps) > delta:  # not certified: compose add too
             self._add_needed = True  # certificates fail for long runs and stay failing: stop trying
-            eps = max(eps, eps_of(cur["add"]))
-        self._last_eps[delta] = eps
+            eps = max(eps, eps_of("add"))
         return eps
 
     def _add_delta_bound(self, epsilon: float) -> float:
