@@ -28,9 +28,15 @@ stay an upper bound, a noise allowance ``fft_floor`` is added to every delta. A 
 accurate), with a per-entry rounding allowance untilted the same way and a truncation far below
 delta; the RDP bound is computed too and the smaller of the two upper bounds is returned.
 
-Online use costs O(1) per ``compose`` (a dict increment); the profile is recomputed lazily when
-asked, from the distinct events and their counts, with per-event discretisations cached on doubling
-grids of the count: a query costs a few FFTs of the window, independent of the number of steps.
+One step of a subsampled Gaussian is answered from its exact profile (Zhu, Dong & Wang 2022, Thm
+11), with a relative floating-point allowance on delta; the add direction is composed only where a
+Chernoff bound on its delta (from the cached per-event moment generating functions) does not already
+lie below the remove direction's answer.
+
+Online use costs O(1) per ``compose`` (a dict increment). A query makes a full composition (the
+checkpoint) when nothing usable is kept; after up to ``_ONLINE_STEPS`` more steps of one event it
+convolves the checkpoint's delta profile with the cached PMF of those steps at the few grid points
+its search needs (:class:`_Stepped`): the same discrete PLD, at dot-product cost.
 
 References:
     Koskela, A., Jalko, J. & Honkela, A. (2020). Computing Tight Differential Privacy Guarantees
@@ -463,7 +469,8 @@ class PLDAccountant(Accountant):
 
     Args:
         value_discretization_interval: grid spacing ``h`` of the privacy loss; ``None`` picks it
-            from the composition so that the discretisation adds about 0.1% to epsilon.
+            from the per-step loss spread so that the discretisation adds at most about 0.04% to
+            epsilon (0.01-0.03% measured on DP-SGD settings of 2 to 1e5 steps).
         tail_mass: probability mass the truncation may move to +infinity (added to delta).
         fft_floor: allowance for FFT rounding, added to every delta.
         rdp_below: deltas smaller than this are answered with the smaller of an exponentially
