@@ -171,3 +171,74 @@ def test_pld_never_looser_than_rdp_on_very_long_runs(sigma, q, steps):
     rdp = accountant("rdp").compose(ev, steps)
     for delta in (1e-5, 1e-12):
         assert 0.0 < pld.epsilon(delta) <= rdp.epsilon(delta) * (1 + 1e-12)
+
+
+def _mp_one_step_delta(sigma, q, eps):
+    # 50-digit hockey-stick divergence of one Poisson-subsampled Gaussian step, both directions
+    # (Zhu, Dong & Wang 2022, Theorem 11), written out independently of gaussdp's log-space code.
+    mp = pytest.importorskip("mpmath")
+    mp.mp.dps = 50
+    s, qq, e = mp.mpf(sigma), mp.mpf(q), mp.mpf(eps)
+    t = mp.e**e - 1 + qq
+    x = s**2 * mp.log(t / qq) + mp.mpf(1) / 2
+    remove = qq * mp.ncdf((1 - x) / s) - t * mp.ncdf(-x / s)
+    u = mp.e ** (-e) - 1 + qq
+    add = mp.mpf(0)
+    if u > 0:
+        xa = s**2 * mp.log(u / qq) + mp.mpf(1) / 2
+        add = mp.ncdf(xa / s) * (1 - mp.e**e * (1 - qq)) - qq * mp.e**e * mp.ncdf((xa - 1) / s)
+    return max(remove, add)
+
+
+@pytest.mark.parametrize(("sigma", "q"), [(SIGMA, Q), (0.8, 0.001), (2.0, 0.05), (0.6, 0.02), (5.0, 1e-6)])
+def test_pld_one_step_is_the_exact_profile(sigma, q):
+    # One step is answered from the exact profile: never below the 50-digit value, at most the
+    # stated floating-point allowance above it, and both directions of the query agree.
+    acc = PLDAccountant().compose(SubsampledGaussianEvent(sigma, q))
+    for delta in (1e-3, 1e-5, 1e-10):
+        eps = acc.epsilon(delta)
+        exact_delta = float(_mp_one_step_delta(sigma, q, eps))
+        assert exact_delta <= delta  # eps is an upper bound: the exact delta there is within budget
+        if eps > 0.0:  # and tight: a little less epsilon would not do
+            assert float(_mp_one_step_delta(sigma, q, eps * (1 - 1e-5))) > delta * (1 - 1e-5)
+        for e in (eps, eps / 2, 2 * eps):
+            got, exact = acc.delta(e), float(_mp_one_step_delta(sigma, q, e))
+            assert exact <= got <= exact * (1 + 2e-6) + 1e-300
+    # no looser than dp_accounting's discretisation (up to the floating-point allowance)
+    assert acc.epsilon(1e-5) <= _dp_pld(sigma, q, 1, 1e-5) * (1 + 1e-6)
+
+
+def test_pld_online_steps_convolve_the_checkpoint_and_agree_with_batch():
+    # Online (compose one step, query): up to _ONLINE_STEPS steps are convolved with the last full
+    # composition at the queried grid points. Same discrete PLD as a batch composition: the answers
+    # agree to rounding and the allowances, for epsilon and delta, across the leaf's count buckets.
+    from gaussdp.accounting.pld import _Stepped
+
+    ev = SubsampledGaussianEvent(SIGMA, Q)
+    acc = PLDAccountant()
+    for k in range(1, 301):
+        acc.compose(ev)
+        eps = acc.epsilon(DELTA)
+        if k in (2, 3, 16, 17, 40, 100, 255, 256, 257, 300):
+            batch = PLDAccountant().compose(ev, k)
+            assert eps == pytest.approx(batch.epsilon(DELTA), rel=1e-6)
+            for e in (0.5 * eps, eps, 2 * eps):
+                assert acc.delta(e) == pytest.approx(batch.delta(e), rel=1e-5, abs=1e-12)
+    assert isinstance(acc._current()["remove"], _Stepped)
+
+
+@pytest.mark.parametrize(
+    ("sigma", "q", "steps"), [(SIGMA, Q, 10), (SIGMA, Q, 100), (0.6, 0.02, 500), (2.0, 0.05, 50)]
+)
+def test_pld_add_direction_certificate_is_a_bound(sigma, q, steps):
+    # The add direction is skipped where a Chernoff bound on its delta is already below the answer:
+    # that bound is never below the composed add direction's delta, and the answers are unchanged.
+    ev = SubsampledGaussianEvent(sigma, q)
+    acc = PLDAccountant().compose(ev, steps)
+    both = acc._compose_all()
+    for x in (0.0, 0.1, 0.5, 1.0, 3.0):
+        # (the composed delta carries the truncation and FFT allowances, which the bound needs not)
+        assert acc._add_delta_bound(x) >= (both["add"].delta(x) - both["add"].tail) * (1 - 1e-9)
+    for delta in (1e-3, 1e-5, 1e-8):
+        full = max(c.epsilon(delta) for c in both.values())
+        assert PLDAccountant().compose(ev, steps).epsilon(delta) == pytest.approx(full, rel=1e-12)

@@ -299,7 +299,18 @@ def leaf_mu2(leaf: Event) -> float:
 
 
 def leaf_atom_scale(leaf: Event) -> float:
-    """The largest |loss| of an atomic user-supplied PLD or profile (inf for other events)."""
+    """The largest |loss| of a PLD with atoms the grid must resolve (inf for other events).
+
+    Laplace's privacy loss has atoms of mass about 1/2 at +-epsilon; a discrete Gaussian's loss is
+    atomic (the atom spacing is returned where it is coarse); user-supplied PLDs and profiles are
+    atomic.
+    """
+    if isinstance(leaf, LaplaceEvent):
+        return leaf.epsilon or math.inf
+    if isinstance(leaf, DiscreteGaussianEvent) and leaf.sigma <= 4.0:
+        # losses (2 k D - D^2) / (2 sigma^2) on integers k: atoms D / sigma^2 apart, which is
+        # 1 / sigma of the loss's spread D / sigma; above sigma = 4 they blend like a continuum
+        return leaf.sensitivity / leaf.sigma**2
     if isinstance(leaf, PrivacyLossDistributionEvent):
         return max(abs(v) for v in leaf.losses) or math.inf
     if isinstance(leaf, PrivacyProfileEvent):
