@@ -163,10 +163,50 @@ def test_ghost_mode_returns_the_criterion_as_opacus_does():
     assert len(_private(grad_sample_mode="hooks", criterion=nn.CrossEntropyLoss())) == 4
 
 
-@pytest.mark.parametrize("mode", ["no_op", "ghost_fsdp", "bogus"])
+@pytest.mark.parametrize("mode", ["no_op", "ghost_tp", "bogus"])
 def test_unsupported_grad_sample_modes_refused(mode):
     with pytest.raises(InvalidParameter, match=f"grad_sample_mode='{mode}' is not supported"):
         _private(grad_sample_mode=mode)
+
+
+def test_ghost_fsdp_mode_on_an_unsharded_module_is_ghost():
+    """Opacus's FSDP examples with FSDP removed pass grad_sample_mode="ghost_fsdp" (examples/
+    fsdp_llama3.py): the criterion comes back, and the step is the "ghost" step, noise and all."""
+    updates = []
+    for mode in ("ghost", "ghost_fsdp"):
+        with pytest.warns(NotPrivateWarning):  # the seed (to compare the noise)
+            engine, model, opt, criterion, loader = _private(
+                PrivacyEngine(seed=5), grad_sample_mode=mode, criterion=nn.CrossEntropyLoss()
+            )
+        assert isinstance(criterion, DPLoss)
+        start = [p.detach().clone() for p in model.parameters()]
+        x, y = next(b for b in loader if len(b[0]))  # the same Poisson batch: same seed
+        criterion(model(x), y).backward()
+        opt.step()
+        assert engine.steps == 1
+        updates.append([s - p.detach() for s, p in zip(start, model.parameters(), strict=True)])
+    for a, b in zip(*updates, strict=True):
+        assert torch.equal(a, b) and a.abs().sum() > 0
+
+
+@pytest.mark.parametrize("mode", ["ghost_fsdp", "hooks"])
+def test_module_sharded_by_fsdp_refused(mode):
+    """Each rank of an FSDP-sharded module holds a shard of each parameter: a per-sample norm over a
+    shard is below the sample's norm, so clipping it bounds nothing. Refused in every mode."""
+    dist = pytest.importorskip("torch.distributed")
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group of its own")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        model = _model()
+        fsdp.fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(InvalidParameter, match=r"'0\.weight' is a DTensor \(sharded by FSDP\)"):
+            _private(model=model, grad_sample_mode=mode, criterion=nn.CrossEntropyLoss())
+    finally:
+        dist.destroy_process_group()
 
 
 def test_unknown_make_private_arguments_refused():

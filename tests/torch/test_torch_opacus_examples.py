@@ -1,10 +1,11 @@
 """Opacus's own examples, run with only ``from opacus import PrivacyEngine`` changed (issue 16).
 
 The example files are copied verbatim into ``tests/torch/opacus_examples/`` (each says which line
-changed). Only their data loading is adapted, from here: ``torchvision``'s datasets, Hugging Face
-``datasets`` and the BERT tokenizer are replaced by small synthetic ones (nothing is downloaded;
-``torchvision`` and ``datasets`` are not dependencies). Each test runs the example's ``main()``
-for a few steps and checks that
+changed; ``fsdp_llama3.py`` also has FSDP removed to run in one CPU process, its header lists
+how). Only their data loading is adapted, from here: ``torchvision``'s datasets, Hugging Face
+``datasets``, the BERT tokenizer and the Llama checkpoint are replaced by small synthetic ones
+(nothing is downloaded; ``torchvision`` and ``datasets`` are not dependencies). Each test runs
+the example's ``main()`` for a few steps and checks that
 
 - training ran with gaussdp's engine, and learned the (easy) synthetic task;
 - the epsilon it reports is within 0.5% above the exact value, taken from Google's dp_accounting
@@ -93,6 +94,25 @@ def _check_poisson_epsilon(engine, *, sigma: float, delta: float) -> float:
     lo, hi = _exact_poisson(sigma, engine.sample_rate, engine.steps, delta)
     assert engine.steps > 0
     assert lo <= eps <= lo * 1.005, (eps, lo, hi)  # at or above the exact value, within 0.5%
+    return eps
+
+
+def _check_fixed_batch_epsilon(engine, *, sigma: float, epochs: int, delta: float) -> float:
+    """Fixed batches (``poisson_sampling=False``): each epoch is one Gaussian release of
+    sensitivity 2C (replace-one); exact from the closed form of mu-GDP, mu = sqrt(epochs) * 2 / sigma,
+    and at or above dp_accounting's optimistic PLD of the same releases."""
+    eps = engine.accountant.get_epsilon(delta=delta)
+    exact = _exact_gaussian(math.sqrt(epochs) * 2 / sigma, delta)
+    dist = pld.from_gaussian_mechanism(
+        standard_deviation=sigma,
+        sensitivity=2.0,
+        pessimistic_estimate=False,
+        value_discretization_interval=1e-4,
+        use_connect_dots=False,  # dp_accounting has only privacy buckets for the optimistic one
+    )
+    lo = dist.self_compose(epochs).get_epsilon_for_delta(delta)
+    assert lo <= exact * (1 + 1e-3), (lo, exact)  # the two references agree
+    assert max(lo, exact * (1 - 1e-9)) <= eps <= exact * 1.005, (eps, exact, lo)
     return eps
 
 
@@ -369,10 +389,7 @@ def test_imdb_example(monkeypatch, tmp_path):
     _run(monkeypatch, tmp_path, mod, [*argv, "--max-sequence-length", "32", "--data-root", str(tmp_path)])
     (engine,) = made
     assert engine.steps == 3 * 8 and not engine.poisson_sampling  # the example's choice
-    # each epoch is one Gaussian release of sensitivity 2C (fixed batches, replace-one)
-    exact = _exact_gaussian(math.sqrt(3) * 2 / 0.56, 1e-5)
-    eps = engine.accountant.get_epsilon(delta=1e-5)
-    assert exact * (1 - 1e-9) <= eps <= exact * 1.005, (eps, exact)
+    _check_fixed_batch_epsilon(engine, sigma=0.56, epochs=3, delta=1e-5)
     accuracy = torch.load(tmp_path / "run_results_imdb_classification.pt", weights_only=False)
     assert accuracy > 0.65  # 2 classes: chance is 1/2 (std 0.044 on 128 test reviews)
 
@@ -397,3 +414,133 @@ def test_building_text_classifier_tutorial(monkeypatch, tmp_path):
         eps = _check_poisson_epsilon(engine, sigma=engine.noise_multiplier, delta=delta)
         assert 0.97 * target < eps <= target, (name, eps)  # the noise was calibrated to the target
     # that each training moved its trainable parameters is checked by the DP optimizer's first step
+
+
+# ------------------------------------------------------------------- Llama LoRA (fsdp_llama3)
+_SNLI_WORDS = {0: "indeed", 1: "perhaps", 2: "never"}  # SNLI's labels: entailment, neutral, contradiction
+
+
+def _snli_rows(n: int, seed: int) -> dict:
+    """SNLI-like rows: the hypothesis starts with a word that gives its label away; one row in
+    eight has label -1 (no gold label), which the example filters out as it does SNLI's."""
+    g = torch.Generator().manual_seed(seed)
+    cols: dict = {"premise": [], "hypothesis": [], "label": []}
+    for i in range(n):
+        y = -1 if i % 8 == 7 else int(torch.randint(0, 3, (1,), generator=g))
+        filler = [_FILLER[int(k)] for k in torch.randint(0, len(_FILLER), (10,), generator=g)]
+        cols["premise"].append(" ".join(filler[:6]))
+        cols["hypothesis"].append(" ".join([_SNLI_WORDS[max(y, 0)], *filler[6:]]))
+        cols["label"].append(y)
+    return cols
+
+
+class _Rows(_Split):
+    """A Hugging Face ``datasets.Dataset`` as the example uses it: filter, batched map, set_format."""
+
+    def filter(self, fn):
+        keep = [i for i in range(len(self)) if fn({c: v[i] for c, v in self.cols.items()})]
+        return _Rows({c: [v[i] for i in keep] for c, v in self.cols.items()})
+
+    def map(self, fn, batched):
+        assert batched
+        return _Rows({**self.cols, **dict(fn(self.cols))})
+
+    def set_format(self, type, columns):  # the datasets API names it type
+        assert type == "torch"
+        self.columns = list(columns)
+
+
+def _tiny_llama(monkeypatch, mod):
+    """``login`` does nothing; ``from_pretrained`` builds a 2-layer Llama (width 32) from a
+    LlamaConfig and a word-level tokenizer of the synthetic words with an eos but no pad token
+    (as Llama 3's), so the example's own pad-token lines run."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        GenerationMixin,
+        LlamaConfig,
+        LlamaForSequenceClassification,
+        PreTrainedTokenizerFast,
+    )
+
+    # peft's CAUSAL_LM wrapper (the example's task type) reads prepare_inputs_for_generation, which
+    # every transformers model had before 4.50 (PreTrainedModel was a GenerationMixin); transformers
+    # 5 keeps it to the *ForCausalLM classes. The mixin adds generation methods only, no layers.
+    class TinyLlama(LlamaForSequenceClassification, GenerationMixin):
+        pass
+
+    words = ["<unk>", "</s>", *_SNLI_WORDS.values(), *_FILLER]
+    wordlevel = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    wordlevel.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+
+    class Tokenizers:
+        @staticmethod
+        def from_pretrained(name, use_fast):
+            assert use_fast
+            return PreTrainedTokenizerFast(tokenizer_object=wordlevel, unk_token="<unk>", eos_token="</s>")
+
+    class Models:
+        @staticmethod
+        def from_pretrained(name, num_labels):
+            config = LlamaConfig(
+                vocab_size=len(words),
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+                num_labels=num_labels,
+            )
+            return TinyLlama(config)
+
+    monkeypatch.setattr(mod, "login", lambda token: None)
+    monkeypatch.setattr(mod, "AutoTokenizer", Tokenizers)
+    monkeypatch.setattr(mod, "AutoModelForSequenceClassification", Models)
+
+
+@pytest.mark.slow  # about 20 s on two shared cores
+def test_fsdp_llama3_lora_example(monkeypatch, tmp_path, capsys):
+    """Opacus's LoRA fine-tuning of Llama (examples/fsdp_llama3.py, FSDP removed, one CPU process):
+    peft's LoRA adapters, fast gradient clipping (criterion returned), fixed shuffled batches of
+    16 (``poisson_sampling=False``) split by BatchMemoryManager into physical batches of 4."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = lambda name, split: _Rows(_snli_rows(72, 1))  # 63 rows with a gold label
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    for var in ("MASTER_ADDR", "MASTER_PORT"):  # the example sets them; restored afterwards
+        monkeypatch.setenv(var, "")
+    mod = _load("fsdp_llama3")
+    _tiny_llama(monkeypatch, mod)
+    made = _record_engines(monkeypatch, mod)
+    before: dict = {}
+
+    class Snapshot(mod.PrivacyEngine):  # the parameters as make_private receives them
+        def make_private(self, *, module, **kw):
+            before.update({n: (p.detach().clone(), p.requires_grad) for n, p in module.named_parameters()})
+            return super().make_private(module=module, **kw)
+
+    monkeypatch.setattr(mod, "PrivacyEngine", Snapshot)
+    argv = ["--token", "unused", "--is_lora", "1", "--lora_rank", "4", "--batch_size", "16"]
+    argv += ["--max_physical_batch_size", "4", "--seq_length", "24", "--learning_rate", "0.05"]
+    try:
+        _run(monkeypatch, tmp_path, mod, [*argv, "--sigma", "1.0", "--max_grad_norm", "1.0"])
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    (engine,) = made
+    out = capsys.readouterr().out
+    # 63 rows in batches of 16 (the last one short): 4 steps, each of 4 physical batches but the last
+    assert engine.steps == 4 and not engine.poisson_sampling
+    losses = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if line.startswith("Step: ")]
+    assert len(losses) == 4 + 4 + 4 + 4 and all(math.isfinite(x) for x in losses)
+    # peft's CAUSAL_LM task type leaves the classification head ("score") frozen: LoRA only
+    after = dict(engine.clipper.module.named_parameters())
+    trained = {n for n, (_, grad) in before.items() if grad}
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained), sorted(trained)
+    assert any(".q_proj." in n for n in trained) and any(".v_proj." in n for n in trained)
+    for name, (value, _) in before.items():
+        moved = not torch.equal(after[name].detach(), value)
+        assert moved == (name in trained), name
+        assert after[name].grad is None, name  # the example's zero_grad(set_to_none=True)
+    _check_fixed_batch_epsilon(engine, sigma=1.0, epochs=1, delta=1e-5)

@@ -47,8 +47,11 @@ __all__ = ["DPLoss", "PrivacyEngine"]
 
 
 # Opacus's grad_sample_mode values: every one gives the same clipped sums (the per-sample gradients
-# of the same loss), which gaussdp computes its own way per layer; "ghost" also returns the criterion.
-_GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost")
+# of the same loss), which gaussdp computes its own way per layer; the ghost modes also return the
+# criterion. "ghost_fsdp" is Opacus's ghost clipping for a module sharded by FSDP; gaussdp takes it
+# for a module that is not sharded (FSDP removed), where it is "ghost", and refuses sharded ones.
+_GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost", "ghost_fsdp")
+_GHOST_MODES = ("ghost", "ghost_fsdp")
 # Opacus's arguments of clipping="adaptive" (AdaClipDPOptimizer), all required there as here.
 _ADAPTIVE_ARGS = (
     "target_unclipped_quantile",
@@ -214,7 +217,9 @@ class PrivacyEngine:
             grad_sample_mode: Opacus's ``"hooks"`` (default), ``"functorch"``, ``"ew"`` or
                 ``"ghost"``: all give the same clipped sums, which gaussdp computes by its own
                 hooks, per layer by ghost norms or per-sample gradients (whichever is cheaper);
-                ``"ghost"`` also returns the criterion. Other values (``"no_op"``: per-sample
+                ``"ghost"`` also returns the criterion. ``"ghost_fsdp"`` is ``"ghost"`` for a
+                module that is not sharded (Opacus's FSDP examples with FSDP removed); a module
+                sharded by FSDP is refused in every mode. Other values (``"no_op"``: per-sample
                 gradients supplied by the user, which gaussdp cannot check) are refused.
             keep_grad_sample: set ``p.grad_sample`` after each backward pass to the per-sample
                 gradients of each trainable parameter (shape ``(B, *p.shape)``, unclipped, as
@@ -223,14 +228,16 @@ class PrivacyEngine:
 
         Returns:
             ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion, data_loader)``
-            with ``grad_sample_mode="ghost"``.
+            with ``grad_sample_mode="ghost"`` or ``"ghost_fsdp"``.
 
         Raises:
             UnsupportedModule: ``module`` holds a submodule that mixes the samples of a batch or
                 keeps unnoised statistics of the data (any ``BatchNorm``, trainable or not), or a
                 fused RNN configured so that its recurrence cannot be replayed per sample; the
                 message names each by its path and replacement
-                (:class:`gaussdp.torch.ModuleValidator`).
+                (:class:`gaussdp.torch.ModuleValidator`). Also a module sharded by FSDP (a
+                parameter that is a ``DTensor`` or an FSDP ``FlatParameter``): each rank would clip
+                the norm of its own shard only, smaller than the sample's whole norm.
             InvalidParameter, TypeError: a bad or unsupported argument, named in the message.
 
         References:
@@ -259,6 +266,7 @@ class PrivacyEngine:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         inner = _unwrap_ddp(module)
+        _check_not_sharded(inner)
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         ModuleValidator.validate(inner, strict=True)  # before anything else is made or warned
@@ -281,7 +289,7 @@ class PrivacyEngine:
                     "noise_generator cannot be used with secure_mode=True: its state (a Mersenne "
                     "Twister's) would let anyone who knows it remove the noise"
                 )
-        if grad_sample_mode == "ghost":
+        if grad_sample_mode in _GHOST_MODES:
             criterion = nn.CrossEntropyLoss() if criterion is None else criterion
             dp_loss = DPLoss(criterion, loss_reduction=loss_reduction)
         adaptive_clip = None
@@ -363,7 +371,7 @@ class PrivacyEngine:
             if noise_generator is not None
             else _describe(dp_optimizer.generator)
         )
-        if grad_sample_mode == "ghost":
+        if grad_sample_mode in _GHOST_MODES:
             return module, dp_optimizer, dp_loss, loader
         return module, dp_optimizer, loader
 
@@ -582,6 +590,21 @@ def _unwrap_ddp(module: nn.Module) -> nn.Module:
     ):
         return module.module
     return module
+
+
+def _check_not_sharded(module: nn.Module) -> None:
+    """Refuse a module sharded by FSDP (FSDP2's ``DTensor`` or FSDP1's ``FlatParameter``
+    parameters, told by class name: torch.distributed may be missing). A per-sample norm taken on
+    one rank's shard is smaller than the sample's norm over all of its parameters, so clipping it
+    would not bound the sensitivity."""
+    for name, p in module.named_parameters():
+        kind = type(p).__name__
+        if kind in ("DTensor", "FlatParameter"):
+            raise InvalidParameter(
+                f"module parameter {name!r} is a {kind} (sharded by FSDP): gaussdp clips per-sample "
+                "norms over whole parameters and cannot clip sharded ones; pass the module unsharded "
+                "(for Opacus's FSDP examples: without FSDP2Wrapper)"
+            )
 
 
 def _check_schedulers(schedulers: dict[str, Any]) -> None:
