@@ -43,7 +43,7 @@ def main(grid: Grid, context: Context) -> None:
     server = build_server(cfg)
     strategy = DPFedAvgStrategy(server, server_lr=float(cfg["server-lr"]), checkpoint=str(cfg["checkpoint"]))
     pause = float(cfg["round-pause-s"])
-    print(f"run {cfg['run-name']!r}: the ledger holds {server.rounds_done} rounds", flush=True)
+    print(f"run {cfg['run-name']!r}: rounds in the ledger: {server.rounds_done}", flush=True)
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         acc = task.test_accuracy(task.to_flat(arrays))
