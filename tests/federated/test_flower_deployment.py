@@ -245,7 +245,7 @@ def _serverapp_pids(cluster: Cluster) -> list[int]:
 
 
 def test_a_killed_serverapp_resumes_at_the_next_round(cluster, tmp_path) -> None:
-    config = _config(tmp_path, **{"num-server-rounds": 3, "round-pause-s": 4.0})
+    config = _config(tmp_path, **{"num-server-rounds": 2, "round-pause-s": 4.0})
     cluster.flwr_run(config, stream=False, timeout=60, name="submit")  # returns once the run started
     ck = tmp_path / "checkpoint.npz"
     deadline = time.monotonic() + 120
@@ -265,12 +265,12 @@ def test_a_killed_serverapp_resumes_at_the_next_round(cluster, tmp_path) -> None
     out = cluster.flwr_run(
         config.replace("round-pause-s=4.0", "round-pause-s=0.0"), stream=True, timeout=150, name="resume"
     )
-    assert "rounds in the ledger: 1" in out and "done: 3 rounds" in out, out[-4000:]
-    assert "round 2:" in out and "round 3:" in out and "round 1:" not in out
+    assert "rounds in the ledger: 1" in out and "done: 2 rounds" in out, out[-4000:]
+    assert "round 2:" in out and "round 1:" not in out
     keys = _rounds(tmp_path)
-    assert keys == [f"digits#round={r}" for r in (1, 2, 3)]  # none twice, none lost
+    assert keys == ["digits#round=1", "digits#round=2"]  # none twice, none lost
     spent = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}").spent("digits").epsilon
-    assert spent == pytest.approx(_accountant_epsilon(3), rel=1e-12)
-    assert load_checkpoint(ck)[0] == 3
+    assert spent == pytest.approx(_accountant_epsilon(2), rel=1e-12)
+    assert load_checkpoint(ck)[0] == 2
     cluster.stop()
     assert cluster.alive() == []
