@@ -171,6 +171,28 @@ def test_local_dp_mod_charges_each_client_in_its_own_principal(tmp_path) -> None
         assert len(keys) == len(set(keys))  # at most one charge per round
 
 
+@pytest.mark.slow
+def test_flowers_adaptiveclipping_mod_gives_the_server_the_bits_of_the_true_norms() -> None:
+    # Flower's mod clips on the client and reports whether it clipped (norm_bit); the strategy turns
+    # that bit into the server's adaptive-clipping bit. With q = 1 and the same seed, the clip-norm
+    # trajectory and the model equal the in-process run, where the server sees the true norms.
+    from flwr.clientapp.mod import adaptiveclipping_mod
+
+    from gaussdp.federated import AdaptiveClipping
+
+    def adaptive() -> AdaptiveClipping:
+        return AdaptiveClipping(
+            initial_clip_norm=4.0, target_quantile=0.5, learning_rate=0.2, count_stddev=2.0
+        )
+
+    out = _simulate(lambda: _server(adaptive=adaptive()), rounds=3, mods=[adaptiveclipping_mod])
+    srv_i, params_i = _inprocess(3, adaptive=adaptive())
+    clip_f = [r.clip_norm for r in out["strategy"].rounds] + [out["server"].clip_norm]
+    clip_i = [r.clip_norm for r in srv_i.history] + [srv_i.clip_norm]
+    assert clip_f == pytest.approx(clip_i, rel=1e-12) and len(set(clip_i)) == 4  # it moved every round
+    np.testing.assert_allclose(_flat(out["result"].arrays), params_i, rtol=1e-5, atol=1e-6)
+
+
 # -- without a runtime: nothing here creates a message ---------------------------------------------------
 
 
