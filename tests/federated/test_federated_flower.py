@@ -92,6 +92,7 @@ def _client_app(mods=()) -> ClientApp:
 
 
 def _simulate(make_server, rounds: int, mods=()) -> dict:
+    pytest.importorskip("ray", reason="Flower's simulation runtime needs Ray: pip install 'flwr[simulation]'")
     from flwr.simulation import run_simulation
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
