@@ -18,9 +18,11 @@
   again, so client-side clipping is welcome but never trusted). :func:`local_dp_mod` adds local DP
   with :class:`gaussdp.federated.LocalGaussian`, each client charged in its own ledger principal.
 
-Compare Flower's ``DifferentialPrivacyServerSideFixedClipping``: fixed-size uniform sampling whose
-amplification it does not account, noise from ``np.random``, and a round with a failure divided by
-the number of answers (which leaks that number through the scale).
+Compare Flower's ``DifferentialPrivacyServerSideFixedClipping`` (flwr 1.42): fixed-size uniform
+sampling whose amplification its accountant does not take (``no-amplification`` is the only sampling
+model it accepts), noise from ``np.random``; a round in which a node answers with an error is skipped,
+and without its accountant a round with missing answers is averaged over the answers, i.e. divided
+by their number (which the scale of the release then leaks).
 
 Guarantee: client-level (epsilon, delta)-DP of the released global models under add/remove of one
 node's whole data set (a node is a client), with Poisson sampling's amplification accounted; see
