@@ -37,7 +37,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::gaussdp.errors.NotPrivateWarnin
 
 N, P = 12, 16
 SHAPES = {"w": (3, 4), "b": (4,)}
-DROPPED = {3, 7}
+DROPPED = {3, 7}  # these nodes crash (an error reply)
+MALFORMED = {5}  # this node answers with arrays under other keys
+LOST = DROPPED | MALFORMED  # dropouts, for the server
 
 
 def _deltas() -> np.ndarray:
@@ -83,7 +85,7 @@ def _client_app(mods=()) -> ClientApp:
         out, start = {}, 0
         for k, s in SHAPES.items():
             n = int(np.prod(s))
-            out[k] = Array(flat[start : start + n].reshape(s))
+            out[k if pid not in MALFORMED else f"other-{k}"] = Array(flat[start : start + n].reshape(s))
             start += n
         content = RecordDict({"arrays": ArrayRecord(out), "metrics": MetricRecord({"num-examples": 1})})
         return Message(content=content, reply_to=msg)
@@ -121,9 +123,7 @@ def _inprocess(rounds: int, **kw):
     params = np.zeros(P, dtype=np.float32)
     deltas = _deltas()
     for _ in range(rounds):
-        res = srv.run_round(
-            params, lambda g, ids: deltas[ids], dropout=lambda ids: ~np.isin(ids, list(DROPPED))
-        )
+        res = srv.run_round(params, lambda g, ids: deltas[ids], dropout=lambda ids: ~np.isin(ids, list(LOST)))
         params = params + res.update
     return srv, params
 
@@ -137,8 +137,8 @@ def test_simulation_runtime_equals_the_inprocess_simulator_and_stops_at_the_budg
     srv_i, params_i = _inprocess(3)
     strategy, srv = out["strategy"], out["server"]
     assert srv.rounds_done == 3 and "stopping before round 4" in strategy.stopped
-    # The crashed nodes were dropouts: zero contribution, the rounds still counted.
-    assert [r.answered for r in strategy.rounds] == [N - len(DROPPED)] * 3
+    # The crashed and the malformed nodes were dropouts: zero contribution, the rounds still counted.
+    assert [r.answered for r in strategy.rounds] == [N - len(LOST)] * 3
     np.testing.assert_allclose(_flat(out["result"].arrays), params_i, rtol=1e-5, atol=1e-6)
     assert srv.epsilon() == srv_i.epsilon() <= budget
     eps = [m["epsilon"] for m in out["result"].train_metrics_clientapp.values()]
@@ -166,7 +166,7 @@ def test_local_dp_mod_charges_each_client_in_its_own_principal(tmp_path) -> None
     answered = sum(r.answered for r in out["strategy"].rounds)
     principals = led.principals("client/")
     assert sum(len(led.history(p)) for p in principals) == answered > 0
-    assert {int(p.split("/")[1]) for p in principals} <= set(range(N)) - DROPPED
+    assert {int(p.split("/")[1]) for p in principals} <= set(range(N)) - LOST
     for p in principals:
         keys = [r.idempotency_key for r in led.history(p)]
         assert len(keys) == len(set(keys))  # at most one charge per round

@@ -497,7 +497,7 @@ def local_dp_mod(
             return out
         replies = list(out.content.array_records.items())
         if len(replies) != 1 or list(replies[0][1].keys()) != list(sent[0].keys()):
-            return _mod_error(out, "local_dp_mod: the reply must hold one ArrayRecord with the sent keys")
+            return _mod_error(msg, "local_dp_mod: the reply must hold one ArrayRecord with the sent keys")
         name, rec = replies[0]
         global_arrays = sent[0].to_numpy_ndarrays()
         try:
