@@ -71,7 +71,7 @@ def _server(**kw) -> DPFedAvg:
     return DPFedAvg(**args)
 
 
-def _client_app(mods=()) -> ClientApp:
+def _client_app(mods=(), malformed=MALFORMED) -> ClientApp:
     app = ClientApp(mods=list(mods))
 
     @app.train()
@@ -85,7 +85,7 @@ def _client_app(mods=()) -> ClientApp:
         out, start = {}, 0
         for k, s in SHAPES.items():
             n = int(np.prod(s))
-            out[k if pid not in MALFORMED else f"other-{k}"] = Array(flat[start : start + n].reshape(s))
+            out[k if pid not in malformed else f"other-{k}"] = Array(flat[start : start + n].reshape(s))
             start += n
         content = RecordDict({"arrays": ArrayRecord(out), "metrics": MetricRecord({"num-examples": 1})})
         return Message(content=content, reply_to=msg)
@@ -93,7 +93,7 @@ def _client_app(mods=()) -> ClientApp:
     return app
 
 
-def _simulate(make_server, rounds: int, mods=()) -> dict:
+def _simulate(make_server, rounds: int, mods=(), malformed=MALFORMED) -> dict:
     pytest.importorskip("ray", reason="Flower's simulation runtime needs Ray: pip install 'flwr[simulation]'")
     from flwr.simulation import run_simulation
 
@@ -105,12 +105,12 @@ def _simulate(make_server, rounds: int, mods=()) -> dict:
     def main(grid: Grid, context: Context) -> None:
         srv = make_server()
         strategy = DPFedAvgStrategy(srv)
-        out["result"] = strategy.start(grid, _init(), num_rounds=rounds)
+        out["result"] = strategy.start(grid, _init(), num_rounds=rounds, timeout=120)
         out["server"], out["strategy"] = srv, strategy
 
     run_simulation(
         server_app,
-        _client_app(mods),
+        _client_app(mods, malformed),
         num_supernodes=N,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 2}},
     )
@@ -118,12 +118,12 @@ def _simulate(make_server, rounds: int, mods=()) -> dict:
     return out
 
 
-def _inprocess(rounds: int, **kw):
+def _inprocess(rounds: int, lost=LOST, **kw):
     srv = _server(**kw)
     params = np.zeros(P, dtype=np.float32)
     deltas = _deltas()
     for _ in range(rounds):
-        res = srv.run_round(params, lambda g, ids: deltas[ids], dropout=lambda ids: ~np.isin(ids, list(LOST)))
+        res = srv.run_round(params, lambda g, ids: deltas[ids], dropout=lambda ids: ~np.isin(ids, list(lost)))
         params = params + res.update
     return srv, params
 
@@ -186,8 +186,13 @@ def test_flowers_adaptiveclipping_mod_gives_the_server_the_bits_of_the_true_norm
             initial_clip_norm=4.0, target_quantile=0.5, learning_rate=0.2, count_stddev=2.0
         )
 
-    out = _simulate(lambda: _server(adaptive=adaptive()), rounds=3, mods=[adaptiveclipping_mod])
-    srv_i, params_i = _inprocess(3, adaptive=adaptive())
+    # No malformed node here: Flower 1.42's mods answer a malformed reply with an error message
+    # built as a reply to the reply; the server did not receive it in this runtime (the round
+    # then waits for send_and_receive's timeout).
+    out = _simulate(
+        lambda: _server(adaptive=adaptive()), rounds=3, mods=[adaptiveclipping_mod], malformed=set()
+    )
+    srv_i, params_i = _inprocess(3, lost=DROPPED, adaptive=adaptive())
     clip_f = [r.clip_norm for r in out["strategy"].rounds] + [out["server"].clip_norm]
     clip_i = [r.clip_norm for r in srv_i.history] + [srv_i.clip_norm]
     assert clip_f == pytest.approx(clip_i, rel=1e-12) and len(set(clip_i)) == 4  # it moved every round
