@@ -1,226 +1,246 @@
-"""Rounds per second of DP-FedAvg: gaussdp's in-process simulator vs the same run through Flower.
+"""DP-FedAvg on the digits task of ``examples/flower-digits``: throughput, and gaussdp vs Flower's own DP.
 
-1,000 clients x 100,000-parameter updates (float32), every client sampled (q = 1), clip norm 1,
-noise multiplier 1, the same seed on both sides so that the two runs must release the same models.
+1. **Throughput**, 1,000 clients, 5 rounds, every client sampled (q = 1): gaussdp's in-process
+   simulator (all clients vectorised) beside Flower's simulation runtime (``run_simulation``, Ray
+   backend, one virtual SuperNode per client, :class:`DPFedAvgStrategy` in the ServerApp). Clients/s
+   is the number of client updates trained, clipped and aggregated per second of rounds; the
+   simulation's start-up (Ray, the actors, the nodes' registration) is printed apart.
+2. **Side by side** with Flower's ``DifferentialPrivacyServerSideFixedClipping`` in the same
+   simulation, on the same 1,000 clients, noise multiplier ``z`` and clip norm ``C``: gaussdp samples
+   each client with probability ``q`` (Poisson) and divides by ``qN``; Flower samples ``m = qN``
+   clients uniformly and divides by ``m``, so the noise on the average is ``z C / (qN)`` for both.
+   Test accuracy after each round and the client-level epsilon each reports at the same delta:
+   gaussdp's ledger (PLD, Poisson amplification accounted) and Flower's ``RdpAccountant`` (the only
+   sampling model its fixed-clipping wrapper accepts is ``no-amplification``). A table and one PNG.
 
-Flower's simulation (``flwr.simulation.start_simulation`` / ``run_simulation``) needs Ray, which is
-not installed here: the Flower side is Flower's real legacy ``Server.fit`` with a
-``SimpleClientManager``, ``GridClientProxy`` per client (FitIns <-> RecordDict <-> Message
-serialisation), a ``ClientApp`` with its ``NumPyClient``, driven through an in-memory ``Grid``
-(:func:`gaussdp.federated.flower.run_inprocess`), with :class:`DPFedAvgStrategy`. Ray's own start-up
-(about 8 s measured on the issue author's machine) is therefore *not* included: the ratio printed
-here is a lower bound on the gap to Flower's Ray simulation.
+Both clients report ``num-examples`` and a unit weight: Flower's accounted mode requires equal
+weights, gaussdp ignores the weights (fixed denominator).
 
-``--ray`` adds Flower's real simulation (``flwr.simulation.run_simulation``, Ray backend, one CPU per
-ClientApp actor) when ``ray`` is importable (``pip install 'flwr[simulation]'``, never a dependency
-of gaussdp); otherwise it says why it is skipped. Its clients read their update from a memory-mapped
-copy of the same matrix (Flower pickles the ClientApp into every message sent to an actor). Its
-start-up (Ray and the registration of the nodes, up to the first round) is reported apart from the
-rounds; the first round also starts the actors, so the median of 3 or more rounds is the figure.
-The simulation gives the nodes random ids, which the strategy sorts: the clients are summed in
-another order, so the released models agree to float rounding, not bit for bit.
-
-Run: ``.venv/bin/python benchmarks/bench_federated.py [--clients 1000 --params 100000 --rounds 3]
-[--ray]``
+Run: ``.venv/bin/python benchmarks/bench_federated.py [--clients 1000 --rounds 5 --compare-rounds 20
+--out bench_federated.png]`` (needs ``ray``: ``pip install 'flwr[simulation]'``).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
-import os
-import statistics
-import tempfile
+import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from gaussdp.errors import NotPrivateWarning
-from gaussdp.federated import DPFedAvg
+from gaussdp.federated import DPFedAvg, FederatedSimulator
 
-SEED = 20261122
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "flower-digits"))
+from gaussdp_digits import task
 
-
-def _server(n: int, accountant: str) -> DPFedAvg:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NotPrivateWarning)  # seeded on purpose: equal results
-        return DPFedAvg(
-            num_clients=n,
-            sample_rate=1.0,
-            noise_multiplier=1.0,
-            clip_norm=1.0,
-            ledger="memory://",
-            epsilon=1e3,
-            delta=1e-6,
-            accountant=accountant,
-            seed=SEED,
-        )
+DELTA = 1e-5
+LOCAL = {"local_steps": 5, "learning_rate": 0.5}
 
 
-def run_inprocess(deltas: np.ndarray, rounds: int, accountant: str) -> tuple[list[float], np.ndarray, float]:
-    srv = _server(deltas.shape[0], accountant)
-    params = np.zeros(deltas.shape[1], dtype=np.float32)
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        res = srv.run_round(params, lambda g, ids: deltas[ids])
-        params = params + res.update
-        times.append(time.perf_counter() - t0)
-    return times, params, srv.epsilon()
+def _server(n: int, q: float, z: float, c: float, rounds: int) -> DPFedAvg:
+    return DPFedAvg(
+        num_clients=n,
+        sample_rate=q,
+        noise_multiplier=z,
+        clip_norm=c,
+        ledger="memory://",
+        epsilon=1e4,
+        delta=DELTA,
+        accountant="pld",
+    )
 
 
-def run_flower(deltas: np.ndarray, rounds: int, accountant: str) -> tuple[list[float], np.ndarray, float]:
-    from flwr.client import ClientApp, NumPyClient
-    from flwr.common import parameters_to_ndarrays
-
-    from gaussdp.federated.flower import run_inprocess
-
-    logging.getLogger("flwr").setLevel(logging.WARNING)
-
-    class Client(NumPyClient):
-        def __init__(self, cid: int) -> None:
-            self.cid = cid
-
-        def fit(self, parameters, config):  # type: ignore[no-untyped-def]
-            return [parameters[0] + deltas[self.cid]], 1, {}
-
-        def evaluate(self, parameters, config):  # type: ignore[no-untyped-def]
-            return 0.0, 1, {}
-
-    srv = _server(deltas.shape[0], accountant)
-    strategy, stamps = _timed_strategy(srv, deltas.shape[1])
-    app = ClientApp(client_fn=lambda context: Client(int(context.node_id)).to_client())
-    run_inprocess(app, strategy, num_clients=deltas.shape[0], num_rounds=rounds)
-    times = [stamps[2 * i + 1] - stamps[2 * i] for i in range(rounds)]
-    params = parameters_to_ndarrays(strategy.parameters)[0]
-    return times, params, srv.epsilon()
+def run_inprocess(n: int, rounds: int) -> tuple[float, int]:
+    """Seconds of ``rounds`` rounds of the in-process simulator, and the client updates aggregated."""
+    srv = _server(n, 1.0, 1.0, 1.0, rounds)
+    sim = FederatedSimulator(srv, task.clients(n, **LOCAL), task.initial_flat())
+    t0 = time.perf_counter()
+    out = sim.run(rounds)
+    return time.perf_counter() - t0, sum(r.answered for r in out)
 
 
-def _timed_strategy(srv: DPFedAvg, num_params: int, *, wait: bool = False) -> tuple[Any, list[float]]:
-    """DPFedAvgStrategy whose rounds are timed from configure_fit to the end of aggregate_fit.
+def _client_app() -> Any:
+    from flwr.app import Context, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
 
-    ``wait``: first wait for every client to be registered (the simulation registers its nodes in the
-    background), so that the wait counts as start-up, not as the first round.
-    """
-    from flwr.common import ndarrays_to_parameters
-    from flwr.server.strategy import FedAvg
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        flat = task.to_flat(msg.content["arrays"])
+        pid, n = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+        delta, count = task.local_update(flat, pid, n, **LOCAL)
+        metrics = MetricRecord({"num-examples": count, "unit-weight": 1})
+        return Message(RecordDict({"arrays": task.to_arrays(flat + delta), "metrics": metrics}), reply_to=msg)
+
+    return app
+
+
+def run_simulation(n: int, rounds: int, compare_rounds: int, q: float, z: float, c: float) -> dict[str, Any]:
+    """One Flower simulation: the throughput rounds, then gaussdp's and Flower's DP strategies."""
+    from flwr.app import ArrayRecord, Context, MetricRecord
+    from flwr.serverapp import Grid, PrivacyConfig, RdpAccountant, ServerApp
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
+    from flwr.simulation import run_simulation as flower_run_simulation
+    from flwr.supercore.privacy_accounting import NeighboringRelation, SamplingMethod
 
     from gaussdp.federated.flower import DPFedAvgStrategy
 
-    init = ndarrays_to_parameters([np.zeros(num_params, dtype=np.float32)])
-    strategy = DPFedAvgStrategy(srv, FedAvg(fraction_evaluate=0.0, initial_parameters=init))
-    stamps: list[float] = []
-    inner_aggregate = strategy.aggregate_fit
-    inner_configure = strategy.configure_fit
+    out: dict[str, Any] = {"t0": time.perf_counter()}
+    server_app = ServerApp()
 
-    def configure_fit(server_round, parameters, client_manager):  # type: ignore[no-untyped-def]
-        if wait:
-            client_manager.wait_for(srv.num_clients)
-        stamps.append(time.perf_counter())
-        return inner_configure(server_round, parameters, client_manager)
+    def accuracy(arrays: ArrayRecord) -> float:
+        return task.test_accuracy(task.to_flat(arrays))
 
-    def aggregate_fit(*a, **k):  # type: ignore[no-untyped-def]
-        out = inner_aggregate(*a, **k)
-        stamps.append(time.perf_counter())
-        return out
-
-    strategy.configure_fit = configure_fit  # type: ignore[method-assign]
-    strategy.aggregate_fit = aggregate_fit  # type: ignore[method-assign]
-    return strategy, stamps
-
-
-def run_ray(
-    deltas: np.ndarray, rounds: int, accountant: str
-) -> tuple[list[float], np.ndarray, float, float] | None:
-    """Flower's ``run_simulation`` with the Ray backend; None (and why) when ray is not importable."""
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        print("Flower + Ray simulation     : skipped, ray is not importable (pip install 'flwr[simulation]')")
-        return None
-    from flwr.client import ClientApp, NumPyClient
-    from flwr.common import parameters_to_ndarrays
-    from flwr.server import ServerApp, ServerConfig
-    from flwr.simulation import run_simulation
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "deltas.npy")
-        np.save(path, deltas)
-
-        class Client(NumPyClient):
-            def __init__(self, pid: int) -> None:
-                self.pid = pid
-
-            def fit(self, parameters, config):  # type: ignore[no-untyped-def]
-                return [parameters[0] + np.load(path, mmap_mode="r")[self.pid]], 1, {}
-
-            def evaluate(self, parameters, config):  # type: ignore[no-untyped-def]
-                return 0.0, 1, {}
-
-        app = ClientApp(
-            client_fn=lambda context: Client(int(context.node_config["partition-id"])).to_client()
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        # 1. Throughput, q = 1 (the nodes' registration is waited for before the clock starts).
+        while len(list(grid.get_node_ids())) < n:
+            time.sleep(0.2)
+        # One untimed round starts Ray's actors (and imports the task in them): start-up.
+        DPFedAvgStrategy(_server(n, 1.0, 1.0, 1.0, 1)).start(
+            grid, task.to_arrays(task.initial_flat()), num_rounds=1
         )
-        srv = _server(deltas.shape[0], accountant)
-        strategy, stamps = _timed_strategy(srv, deltas.shape[1], wait=True)
-        t0 = time.perf_counter()
-        run_simulation(
-            server_app=ServerApp(config=ServerConfig(num_rounds=rounds), strategy=strategy),
-            client_app=app,
-            num_supernodes=deltas.shape[0],
-            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+        out["startup"] = time.perf_counter() - out["t0"]
+        fast = DPFedAvgStrategy(_server(n, 1.0, 1.0, 1.0, rounds))
+        stamps = [time.perf_counter()]
+        fast.start(
+            grid,
+            task.to_arrays(task.initial_flat()),
+            num_rounds=rounds,
+            evaluate_fn=lambda r, a: stamps.append(time.perf_counter()) if r > 0 else None,
         )
-    times = [stamps[2 * i + 1] - stamps[2 * i] for i in range(rounds)]
-    params = parameters_to_ndarrays(strategy.parameters)[0]
-    return times, params, srv.epsilon(), stamps[0] - t0
+        out["sim_round_seconds"] = np.diff(stamps).tolist()
+        out["sim_seconds"] = stamps[-1] - stamps[0]
+        out["sim_updates"] = sum(r.answered for r in fast.rounds)
+
+        # 2. gaussdp and Flower's DP strategy, same z and C, m = qN.
+        ours = DPFedAvgStrategy(_server(n, q, z, c, compare_rounds))
+        res = ours.start(
+            grid,
+            task.to_arrays(task.initial_flat()),
+            num_rounds=compare_rounds,
+            evaluate_fn=lambda r, a: MetricRecord({"accuracy": accuracy(a)}),
+        )
+        out["gaussdp_acc"] = [
+            float(res.evaluate_metrics_serverapp[r]["accuracy"]) for r in range(1, compare_rounds + 1)
+        ]
+        out["gaussdp_eps"] = [float(m["epsilon"]) for m in res.train_metrics_clientapp.values()]
+
+        m = round(q * n)
+        flower_acc = RdpAccountant(
+            PrivacyConfig(
+                target_delta=DELTA,
+                population_size=n,
+                neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+                sampling_method=SamplingMethod.NO_AMPLIFICATION,
+            )
+        )
+        inner = FedAvg(
+            fraction_train=m / n, fraction_evaluate=0.0, min_train_nodes=m, weighted_by_key="unit-weight"
+        )
+        theirs = DifferentialPrivacyServerSideFixedClipping(inner, z, c, m, accountant=flower_acc)
+        eps: list[float] = []
+
+        def evaluate(r: int, a: ArrayRecord) -> MetricRecord:
+            if r > 0:
+                eps.append(float(theirs.privacy_spent().epsilon))
+            return MetricRecord({"accuracy": accuracy(a)})
+
+        res = theirs.start(
+            grid, task.to_arrays(task.initial_flat()), num_rounds=compare_rounds, evaluate_fn=evaluate
+        )
+        out["flower_acc"] = [
+            float(res.evaluate_metrics_serverapp[r]["accuracy"]) for r in range(1, compare_rounds + 1)
+        ]
+        out["flower_eps"] = eps
+
+    flower_run_simulation(
+        server_app,
+        _client_app(),
+        num_supernodes=n,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+    )
+    return out
+
+
+def _plot(out: dict[str, Any], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = np.arange(1, len(out["gaussdp_acc"]) + 1)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(r, out["gaussdp_acc"], marker="o", label="gaussdp DPFedAvgStrategy")
+    ax1.plot(r, out["flower_acc"], marker="s", label="Flower DifferentialPrivacyServerSideFixedClipping")
+    ax1.set_xlabel("round")
+    ax1.set_ylabel("test accuracy")
+    ax1.legend(fontsize=8)
+    ax2.plot(r, out["gaussdp_eps"], marker="o", label="gaussdp: ledger, PLD, Poisson amplification")
+    ax2.plot(r, out["flower_eps"], marker="s", label="Flower: RdpAccountant, no amplification")
+    ax2.set_xlabel("round")
+    ax2.set_ylabel(f"client-level epsilon at delta={DELTA:g}")
+    ax2.set_yscale("log")
+    ax2.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=1000)
-    ap.add_argument("--params", type=int, default=100_000)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--accountant", default="pld")
-    ap.add_argument("--ray", action="store_true", help="also run Flower's Ray simulation (needs ray)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--compare-rounds", type=int, default=20)
+    ap.add_argument("--sample-rate", type=float, default=0.1)
+    ap.add_argument("--noise-multiplier", type=float, default=1.0)
+    ap.add_argument("--clip-norm", type=float, default=1.0)
+    ap.add_argument("--out", type=Path, default=Path("bench_federated.png"))
     args = ap.parse_args()
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    logging.getLogger("gaussdp").setLevel(logging.WARNING)
+    warnings.simplefilter("ignore", NotPrivateWarning)
 
-    rng = np.random.default_rng(0)
-    deltas = rng.normal(scale=1.0 / np.sqrt(args.params), size=(args.clients, args.params)).astype(np.float32)
-    deltas[::7] *= 3.0  # some updates above the clip norm
+    n, rounds = args.clients, args.rounds
+    print(f"digits, softmax regression, {n} clients (one partition each), z=1, C=1, q=1, {rounds} rounds")
+    t_in, u_in = run_inprocess(n, rounds)
     print(
-        f"DP-FedAvg, {args.clients} clients x {args.params:,} float32 parameters, q=1, z=1, C=1, "
-        f"{args.rounds} rounds, {args.accountant} accountant"
+        f"gaussdp in-process simulator      : {u_in} updates in {t_in:.2f} s = {u_in / t_in:,.0f} clients/s"
     )
-    t_in, p_in, eps_in = run_inprocess(deltas, args.rounds, args.accountant)
-    gc.collect()
-    t_fl, p_fl, eps_fl = run_flower(deltas, args.rounds, args.accountant)
-    m_in, m_fl = statistics.median(t_in), statistics.median(t_fl)
-    print(f"gaussdp in-process simulator : median {m_in:.3f} s/round = {1 / m_in:.2f} rounds/s  {t_in}")
-    print(f"Flower (in-process Server)   : median {m_fl:.3f} s/round = {1 / m_fl:.2f} rounds/s  {t_fl}")
-    print(f"ratio (in-process / Flower rounds/s): {m_fl / m_in:.1f}x")
-    diff = float(np.max(np.abs(p_in - p_fl)))
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        print("Flower simulation runtime: skipped, ray is not importable (pip install 'flwr[simulation]')")
+        return
+    q, z, c = args.sample_rate, args.noise_multiplier, args.clip_norm
+    out = run_simulation(n, rounds, args.compare_rounds, q, z, c)
+    t_sim, u_sim = out["sim_seconds"], out["sim_updates"]
+    rate = u_sim / t_sim
+    print(f"Flower simulation runtime (Ray)   : {u_sim} updates in {t_sim:.2f} s = {rate:,.0f} clients/s")
+    per_round = ", ".join(f"{x:.2f}" for x in out["sim_round_seconds"])
+    print(f"  (start-up {out['startup']:.1f} s apart: Ray, nodes, one untimed round; rounds {per_round} s)")
+    print(f"ratio (in-process / simulation clients/s): {(u_in / t_in) / (u_sim / t_sim):.1f}x")
+
+    m = round(q * n)
+    print()
     print(
-        f"equal results: max |params_inprocess - params_flower| = {diff:.3g}; "
-        f"epsilon in-process {eps_in:.6f}, Flower {eps_fl:.6f} (equal: {eps_in == eps_fl})"
+        f"gaussdp vs Flower's DifferentialPrivacyServerSideFixedClipping, {n} clients, z={z:g}, C={c:g}, "
+        f"gaussdp q={q:g} (Poisson), Flower m={m} (uniform); epsilon at delta={DELTA:g}"
     )
-    if args.ray:
-        gc.collect()
-        ray_run = run_ray(deltas, args.rounds, args.accountant)
-        if ray_run is not None:
-            t_ray, p_ray, eps_ray, startup = ray_run
-            m_ray = statistics.median(t_ray)
-            print(
-                f"Flower + Ray simulation     : median {m_ray:.3f} s/round = {1 / m_ray:.2f} rounds/s  "
-                f"{t_ray}; start-up {startup:.1f} s"
-            )
-            print(f"ratio (in-process / Flower + Ray rounds/s): {m_ray / m_in:.1f}x")
-            diff = float(np.max(np.abs(p_in - p_ray)))
-            print(
-                f"equal results: max |params_inprocess - params_ray| = {diff:.3g}; "
-                f"epsilon Ray {eps_ray:.6f} (equal: {eps_in == eps_ray})"
-            )
+    print(f"{'round':>5}  {'gaussdp acc':>11}  {'gaussdp eps':>11}  {'Flower acc':>10}  {'Flower eps':>10}")
+    for i, (ga, ge, fa, fe) in enumerate(
+        zip(out["gaussdp_acc"], out["gaussdp_eps"], out["flower_acc"], out["flower_eps"], strict=True), 1
+    ):
+        print(f"{i:>5}  {ga:>11.4f}  {ge:>11.4f}  {fa:>10.4f}  {fe:>10.4f}")
+    _plot(out, args.out, f"digits, {n} clients, z={z:g}, C={c:g}, {m} clients per round (expected)")
+    print(f"plot: {args.out}")
 
 
 if __name__ == "__main__":

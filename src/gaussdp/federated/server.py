@@ -244,7 +244,8 @@ class DPFedAvg:
                 answered (then ``P`` is taken from :attr:`num_params`).
             answered: ids of the sampled clients that answered (the others dropped out).
             norms: the update norms *before* clipping when the clients clipped already (client-side
-                clipping, e.g. :func:`gaussdp.federated.flower.clip_mod`); used only for the adaptive
+                clipping, e.g. Flower's ``adaptiveclipping_mod`` through
+                :class:`gaussdp.federated.flower.DPFedAvgStrategy`); used only for the adaptive
                 clipping bits. By default the norms of ``deltas`` are used.
 
         Returns:
