@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
-from scipy import optimize
 
 from gaussdp._validate import check_delta, check_epsilon, check_positive
 from gaussdp.accounting.base import upper_bound_accountant
@@ -45,6 +44,7 @@ from gaussdp.accounting.events import (
     SubsampledGaussianEvent,
     check_count,
 )
+from gaussdp.accounting.inverse import smallest_noise
 from gaussdp.errors import InvalidParameter
 
 __all__ = [
@@ -107,32 +107,7 @@ def noise_scale_for_schedule(
         except InvalidParameter:
             return math.inf
 
-    def f(log_c: float) -> float:
-        e = eps_of(math.exp(log_c))
-        if not math.isfinite(e):
-            return 700.0
-        return (math.log(e) if e > 0.0 else -700.0) - math.log(target)
-
-    hi = 1.0
-    while f(math.log(hi)) > 0.0:
-        hi *= 4.0
-        if hi > _SCALE_MAX:
-            raise InvalidParameter(
-                f"no noise scale up to {_SCALE_MAX:g} gives epsilon={target:g} at delta={delta:g}"
-            )
-    lo = hi / 4.0
-    while f(math.log(lo)) <= 0.0:
-        lo /= 4.0
-        if lo < _SCALE_MIN:
-            return _SCALE_MIN
-    c = math.exp(optimize.brentq(f, math.log(lo), math.log(hi), xtol=1e-6, rtol=1e-8, maxiter=100))
-    bump = 1e-9
-    for _ in range(200):
-        if eps_of(c) <= target:
-            return c
-        c *= 1.0 + bump
-        bump *= 2.0
-    raise InvalidParameter(f"could not verify a noise scale for epsilon={target:g}, delta={delta:g}")
+    return smallest_noise(eps_of, target, delta, lo_bound=_SCALE_MIN, hi_bound=_SCALE_MAX, what="noise scale")
 
 
 def tree_aggregation_event(noise_multiplier: float, steps_per_epoch: int | Sequence[int]) -> GaussianEvent:

@@ -87,18 +87,12 @@ class GaussianEvent(Event):
 
 
 @dataclass(frozen=True)
-class SubsampledGaussianEvent(Event):
-    """A Gaussian release on a Poisson subsample: each record is included independently w.p. q.
-
-    This is one step of DP-SGD: clipped per-example gradients of the sampled records are summed and
-    ``N(0, (noise_multiplier * clip_norm)^2 I)`` is added. With ``sample_rate=1`` it is a
-    :class:`GaussianEvent`. Neighbouring relation: add/remove of one record.
-    """
+class _PoissonGaussianFields(Event):
+    """The fields of a Gaussian step on a Poisson subsample (the neighbouring relation is the
+    subclass's: the two subclasses are distinct events, never instances of each other)."""
 
     noise_multiplier: float
     sample_rate: float
-    kind: ClassVar[str] = "subsampled_gaussian"
-    neighboring_relation: ClassVar[str | None] = ADD_REMOVE
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -112,6 +106,19 @@ class SubsampledGaussianEvent(Event):
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
         }
+
+
+@dataclass(frozen=True)
+class SubsampledGaussianEvent(_PoissonGaussianFields):
+    """A Gaussian release on a Poisson subsample: each record is included independently w.p. q.
+
+    This is one step of DP-SGD: clipped per-example gradients of the sampled records are summed and
+    ``N(0, (noise_multiplier * clip_norm)^2 I)`` is added. With ``sample_rate=1`` it is a
+    :class:`GaussianEvent`. Neighbouring relation: add/remove of one record.
+    """
+
+    kind: ClassVar[str] = "subsampled_gaussian"
+    neighboring_relation: ClassVar[str | None] = ADD_REMOVE
 
 
 @dataclass(frozen=True)
@@ -142,7 +149,7 @@ class EpsilonDeltaEvent(Event):
 
 
 @dataclass(frozen=True)
-class ReplaceOneSubsampledGaussianEvent(Event):
+class ReplaceOneSubsampledGaussianEvent(_PoissonGaussianFields):
     """A DP-SGD step on a Poisson subsample, under **replace-one** (substitution) neighbours.
 
     Each record is included independently with probability ``sample_rate``; the clipped (L2 norm
@@ -154,23 +161,8 @@ class ReplaceOneSubsampledGaussianEvent(Event):
     dp_accounting's PLD uses for ``PoissonSampledDpEvent`` under ``REPLACE_ONE``).
     """
 
-    noise_multiplier: float
-    sample_rate: float
     kind: ClassVar[str] = "replace_one_subsampled_gaussian"
     neighboring_relation: ClassVar[str | None] = REPLACE_ONE
-
-    def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "noise_multiplier", check_positive("noise_multiplier", self.noise_multiplier)
-        )
-        object.__setattr__(self, "sample_rate", check_probability("sample_rate", self.sample_rate))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "type": self.kind,
-            "noise_multiplier": self.noise_multiplier,
-            "sample_rate": self.sample_rate,
-        }
 
 
 @dataclass(frozen=True)

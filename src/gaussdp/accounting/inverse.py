@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from scipy import optimize
@@ -13,7 +14,7 @@ from gaussdp.accounting.events import Event, GaussianEvent, SubsampledGaussianEv
 from gaussdp.calibration import sigma_for
 from gaussdp.errors import InvalidParameter
 
-__all__ = ["noise_for_epsilon"]
+__all__ = ["noise_for_epsilon", "smallest_noise"]
 
 _SIGMA_MIN = 1e-3
 _SIGMA_MAX = 1e6
@@ -61,9 +62,6 @@ def noise_for_epsilon(
     q = check_probability("sample_rate", sample_rate)
     steps = check_count(steps, "steps")
     make_accountant(accountant, **options)  # validates the name and options; refuses approximations
-    if q >= 1.0 and accountant in ("pld", "rdp"):
-        sigma = math.sqrt(steps) * sigma_for(epsilon=target, delta=delta)
-        return _final_check(sigma, target, delta, q, steps, accountant, options)
 
     def eps_of(sigma: float) -> float:
         try:
@@ -72,38 +70,63 @@ def noise_for_epsilon(
         except InvalidParameter:
             return math.inf  # too little noise for the accountant to bound: far above any target
 
-    def f(log_sigma: float) -> float:
-        e = eps_of(math.exp(log_sigma))
+    if q >= 1.0 and accountant in ("pld", "rdp"):
+        sigma = math.sqrt(steps) * sigma_for(epsilon=target, delta=delta)
+        return verified_noise(eps_of, sigma, target, delta, "noise multiplier")
+    return smallest_noise(
+        eps_of, target, delta, lo_bound=_SIGMA_MIN, hi_bound=_SIGMA_MAX, what="noise multiplier"
+    )
+
+
+def smallest_noise(
+    eps_of: Callable[[float], float],
+    target: float,
+    delta: float,
+    *,
+    lo_bound: float,
+    hi_bound: float,
+    what: str,
+) -> float:
+    """Smallest noise level ``x`` in ``[lo_bound, hi_bound]`` with ``eps_of(x) <= target``, verified.
+
+    ``eps_of`` is the epsilon (at ``delta``) of the composition at noise level ``x``: non-increasing
+    in ``x``, ``inf`` where the accountant cannot bound it. Brackets the crossing by factors of 4,
+    then Brent's method on ``log x``; the answer is checked with ``eps_of`` itself and nudged up
+    until the target holds (never overshoots). Bounded work: at most ~30 + 100 + 200 calls.
+
+    Raises:
+        InvalidParameter: no level up to ``hi_bound`` meets the target, or none could be verified.
+    """
+
+    def f(log_x: float) -> float:
+        e = eps_of(math.exp(log_x))
         return (math.log(e) if e > 0.0 else -700.0) - math.log(target) if math.isfinite(e) else 700.0
 
     hi = 1.0
     while f(math.log(hi)) > 0.0:
         hi *= 4.0
-        if hi > _SIGMA_MAX:
+        if hi > hi_bound:
             raise InvalidParameter(
-                f"no noise multiplier up to {_SIGMA_MAX:g} gives epsilon={target:g} at delta={delta:g}"
+                f"no {what} up to {hi_bound:g} gives epsilon={target:g} at delta={delta:g}"
             )
     lo = hi / 4.0
     while f(math.log(lo)) <= 0.0:
         lo /= 4.0
-        if lo < _SIGMA_MIN:
-            return _final_check(_SIGMA_MIN, target, delta, q, steps, accountant, options)
-    log_sigma = optimize.brentq(f, math.log(lo), math.log(hi), xtol=1e-6, rtol=1e-8, maxiter=100)
-    return _final_check(math.exp(log_sigma), target, delta, q, steps, accountant, options)
+        if lo < lo_bound:
+            return verified_noise(eps_of, lo_bound, target, delta, what)
+    log_x = optimize.brentq(f, math.log(lo), math.log(hi), xtol=1e-6, rtol=1e-8, maxiter=100)
+    return verified_noise(eps_of, math.exp(log_x), target, delta, what)
 
 
-def _final_check(
-    sigma: float, target: float, delta: float, q: float, steps: int, name: str, options: dict[str, Any]
+def verified_noise(
+    eps_of: Callable[[float], float], x: float, target: float, delta: float, what: str
 ) -> float:
+    """``x``, or the least of ``x (1 + 1e-9 * (2^k - 1))`` whose ``eps_of`` meets the target."""
     # Brent's answer may sit on either side of the root: step the noise up until the target holds.
     bump = 1e-9
     for _ in range(200):
-        try:
-            acc = make_accountant(name, **options).compose(_event(sigma, q), count=steps)
-            if acc.epsilon(delta) <= target:
-                return sigma
-        except InvalidParameter:
-            pass
-        sigma *= 1.0 + bump
+        if eps_of(x) <= target:
+            return x
+        x *= 1.0 + bump
         bump *= 2.0
-    raise InvalidParameter(f"could not verify a noise multiplier for epsilon={target:g}, delta={delta:g}")
+    raise InvalidParameter(f"could not verify a {what} for epsilon={target:g}, delta={delta:g}")
