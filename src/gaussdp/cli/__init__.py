@@ -41,10 +41,9 @@ def build_app():  # type: ignore[no-untyped-def]
 
 def main() -> None:
     """Entry point of the ``gaussdp`` console script."""
-    try:
-        import rich  # noqa: F401
-        import typer  # noqa: F401
-    except ImportError:  # pragma: no cover - depends on the environment
+    from gaussdp._extras import missing_modules
+
+    if missing_modules("cli"):
         sys.stderr.write("The gaussdp command line needs the 'cli' extra: pip install 'gaussdp[cli]'\n")
-        raise SystemExit(2) from None
+        raise SystemExit(2)
     build_app()()

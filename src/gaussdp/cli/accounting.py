@@ -7,6 +7,8 @@ from typing import Any
 
 import typer
 
+from gaussdp._extras import require_extra
+
 _ALL = ("pld", "rdp", "gdp", "advanced", "basic")  # the plot's curves; gdp drawn dashed, labelled
 
 
@@ -98,6 +100,7 @@ def epsilon_curve(
 
 
 def _plot(path: Path, noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> None:
+    require_extra("plot", feature="gaussdp account --plot")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -16,6 +16,8 @@ from typing import Any
 
 import typer
 
+from gaussdp._extras import require_extra
+
 
 @dataclass
 class DemoResult:
@@ -118,6 +120,7 @@ def run_demo(
 
 
 def _plot(rounds: list[Any], path: Path, budget: float, delta: float) -> Path:
+    require_extra("plot", feature="the federated plot")
     import matplotlib
 
     matplotlib.use("Agg")
