@@ -16,6 +16,7 @@ _COMMAND_MODULES = (
     "gaussdp.cli.core",
     "gaussdp.cli.demo",
     "gaussdp.cli.federated",
+    "gaussdp.cli.info",
     "gaussdp.cli.inference",
     "gaussdp.cli.service",
     "gaussdp.cli.text",
