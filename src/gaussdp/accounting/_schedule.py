@@ -25,12 +25,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import ArrayLike
-from scipy import optimize
 
+from gaussdp._lazy import lazy_module
 from gaussdp._validate import check_delta, check_epsilon, check_positive
 from gaussdp.accounting.base import upper_bound_accountant
 from gaussdp.accounting.events import (
@@ -46,6 +46,11 @@ from gaussdp.accounting.events import (
     check_count,
 )
 from gaussdp.errors import InvalidParameter
+
+if TYPE_CHECKING:
+    from scipy import optimize
+else:
+    optimize = lazy_module("scipy.optimize")  # imported on first use: keeps `import gaussdp` cheap
 
 __all__ = [
     "banded_matrix_factorization_event",
