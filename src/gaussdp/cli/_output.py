@@ -23,17 +23,26 @@ EXIT_INTERNAL = 1
 EXIT_USAGE = 2
 EXIT_REFUSED = 3
 
+PIPE_WIDTH = 4096  # columns of a console writing to a pipe or file: wide enough that nothing wraps
+
 EXIT_CODES_HELP = (
     "Exit codes: 0 success; 1 internal error; 2 bad arguments or input; 3 refused by the privacy budget. "
     "Errors go to stderr; --json output goes to stdout."
 )
 
 
-def console(*, stderr: bool = False) -> Console:
-    """A rich console that wraps only on a terminal: piped output keeps each line whole."""
-    out = Console(stderr=stderr, highlight=False)
+def make_console(**options: Any) -> Console:
+    """A rich ``Console(**options)`` that wraps only on a terminal: piped output keeps each line whole.
+
+    Off a terminal, text is not wrapped (``soft_wrap``) and tables get room to lay out each row on one
+    line (a wide console; a table still takes only the width it needs), unless ``width`` is given.
+    """
+    options.setdefault("highlight", False)
+    out = Console(**options)
     if not out.is_terminal:
         out.soft_wrap = True
+        if "width" not in options:
+            out.width = PIPE_WIDTH
     return out
 
 
@@ -58,5 +67,5 @@ def emit_json(data: Any) -> None:
 
 def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
     """Print ``error: message`` on stderr and exit with ``code``."""
-    console(stderr=True).print(f"[red]error:[/red] {message}")
+    make_console(stderr=True).print(f"[red]error:[/red] {message}")
     raise typer.Exit(code)

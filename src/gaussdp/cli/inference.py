@@ -57,10 +57,11 @@ def inference_report(
     out: str = typer.Option("inference_report.png", help="Where to write the PNG."),
 ) -> None:
     """Sweep epsilon and clip norm, print SNR and next-token effects, draw the privacy/utility PNG."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from gaussdp.cli._output import make_console
+
+    console = make_console()
     run_report(
         console,
         epsilons=_floats("epsilons", epsilons),
@@ -136,9 +137,9 @@ def run_report(
             f"{r.ppl_clean:.3g}->{r.ppl_private:.3g}",
         )
     if console.width < 110:  # the table needs ~110 columns; a pipe reports 80
-        from rich.console import Console
+        from gaussdp.cli._output import make_console
 
-        Console(width=110, file=console.file).print(table)
+        make_console(width=110, file=console.file).print(table)
     else:
         console.print(table)
     path = plot_privacy_utility(reports, out, doc=doc)

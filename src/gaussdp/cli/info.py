@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from gaussdp.cli._output import console, emit_json
+from gaussdp.cli._output import emit_json, make_console
 
 
 def register(app: typer.Typer) -> None:
@@ -19,7 +19,7 @@ def info(json_output: bool = typer.Option(False, "--json", help="Print one JSON 
     if json_output:
         emit_json(data)
         return
-    out = console()
+    out = make_console()
     out.print(f"gaussdp {data['gaussdp']}  (Python {data['python']}, {data['platform']})")
     versions = ", ".join(f"{k} {v}" for k, v in data["packages"].items() if v is not None)
     out.print(f"packages: {versions}")

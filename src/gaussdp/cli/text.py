@@ -125,14 +125,14 @@ def perturb_text_command(
     """Perturb every word of IN.txt (local DP) and write the released words to OUT.txt."""
     import warnings
 
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from gaussdp.cli._output import make_console
     from gaussdp.errors import NotPrivateWarning, PrivacyError
     from gaussdp.text.perturb import perturb_text
     from gaussdp.text.tokenize import read_text, words
 
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     try:
         text = read_text(input_path)
         vocabulary = _load_vocab(vocab)
@@ -183,12 +183,11 @@ def vocab_train(
     max_vocab: int = 100_000,
 ) -> None:
     """Train word2vec (gensim) on CORPUS.txt, clip vectors to [-1, 1], save as our .npz format."""
-    from rich.console import Console
-
+    from gaussdp.cli._output import make_console
     from gaussdp.errors import PrivacyError
     from gaussdp.text.vocabulary import Vocabulary
 
-    console = Console()
+    console = make_console()
     try:
         vocabulary = Vocabulary.train(
             corpus,
@@ -200,7 +199,7 @@ def vocab_train(
             max_vocab=max_vocab,
         )
     except (PrivacyError, OSError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        make_console(stderr=True).print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
     path = vocabulary.save(output)
     console.print(f"{vocabulary} written to {path}")
@@ -212,12 +211,11 @@ def vocab_stats(
     delta: float = 1e-5,
 ) -> None:
     """Size, distances, and what a Gaussian sigma means for words of this vocabulary."""
-    from rich.console import Console
-
+    from gaussdp.cli._output import make_console
     from gaussdp.text.mechanisms import GaussianWordMechanism
     from gaussdp.text.vocabulary import Vocabulary
 
-    console = Console()
+    console = make_console()
     vocabulary = Vocabulary.load(vocab)
     console.print(f"{vocabulary}; {vocabulary.meta.get('source', '')}")
     d_nn = vocabulary.nearest_neighbour_distance()

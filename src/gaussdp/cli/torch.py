@@ -97,9 +97,9 @@ def dp_sgd(
     epochs: int = typer.Option(15, help="Epochs (expected passes over the data)."),
 ) -> None:
     """Train an MLP on the bundled digits with DP-SGD and print accuracy and the epsilon spent."""
-    from rich.console import Console
+    from gaussdp.cli._output import make_console
 
-    console = Console()
+    console = make_console()
     res = train_digits(epsilon, delta=delta, epochs=epochs)
     console.print(
         f"DP-SGD digits: test accuracy {res['accuracy']:.3f}, epsilon spent {res['epsilon']:.3f} "
