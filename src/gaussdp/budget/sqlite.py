@@ -184,7 +184,8 @@ class SQLiteStore:
                 (principal, epsilon, delta, accountant, time.time()),
             )
             row = self._principal(conn, principal)
-            assert row is not None
+            if row is None:  # the INSERT ... DO NOTHING above guarantees a row; a miss is a database fault
+                raise RuntimeError(f"ledger principal {principal!r} missing right after it was opened")
             return row
 
     @staticmethod
@@ -269,7 +270,8 @@ class SQLiteStore:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
-        assert charge_id is not None
+        if charge_id is None:
+            raise RuntimeError(f"the charge of {principal!r} was committed without a charge id")
         return StoredCharge(charge_id, principal, event_key, idempotency_key, now, within)
 
     def history(self, principal: str, limit: int | None = None) -> list[StoredCharge]:

@@ -175,7 +175,8 @@ def demo(console: Any, out_dir: Path) -> None:
                 console.print(f"request {i}: refused: {str(exc)[:110]}...")
                 break
             s = priv.last_release
-            assert s is not None
+            if s is None:
+                raise RuntimeError("the privatizer released without recording its release")
             console.print(
                 f"request {i}: {s.rows} tokens charged, "
                 f"spent epsilon={ledger.spent('session-1').epsilon:.3f}; "
