@@ -197,3 +197,30 @@ def test_ledger_show_refuses_a_file_that_is_not_a_ledger(tmp_path: Path) -> None
         conn.execute("CREATE TABLE t (x)")
     res = gaussdp("ledger", "show", "--db", f"sqlite:///{tmp_path / 'other.db'}")
     assert res.returncode == 2 and "not a gaussdp ledger" in res.stderr
+
+
+def test_perturb_text_json_and_choices(tmp_path: Path) -> None:
+    (tmp_path / "in.txt").write_text("the dog ran to london and the cat sat\n")
+    res = gaussdp("perturb-text", "in.txt", "out.txt", "--sigma", "0.5", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["words"] == 9 and data["mechanism"] == "gaussian"
+    assert (tmp_path / "out.txt").is_file()
+    bad = gaussdp("perturb-text", "in.txt", "out2.txt", "--unknown", "keep", cwd=tmp_path)
+    assert bad.returncode == 2 and not (tmp_path / "out2.txt").exists()
+
+
+def test_vocab_stats_json_matches_the_library() -> None:
+    from gaussdp.text.corpus import shipped_vocabulary
+    from gaussdp.text.mechanisms import GaussianWordMechanism
+
+    vocabulary = shipped_vocabulary()
+    path = Path(__import__("gaussdp").__file__).parent / "data" / "text_vocab_demo.npz"
+    res = gaussdp("vocab", "stats", str(path), "--sigma", "0.5", "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["words"] == len(vocabulary) and data["dim"] == vocabulary.dim
+    mech = GaussianWordMechanism(vocabulary, sigma=0.5, delta=1e-5)
+    by = {g["distance_of"]: g for g in data["guarantees"]}
+    expected = mech.word_guarantee(vocabulary.box_diameter).epsilon
+    assert by["box diagonal"]["epsilon"] == pytest.approx(expected)
