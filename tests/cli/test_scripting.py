@@ -224,3 +224,25 @@ def test_vocab_stats_json_matches_the_library() -> None:
     by = {g["distance_of"]: g for g in data["guarantees"]}
     expected = mech.word_guarantee(vocabulary.box_diameter).epsilon
     assert by["box diagonal"]["epsilon"] == pytest.approx(expected)
+
+
+def test_federated_demo_json(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn")
+    res = gaussdp("federated-demo", "--rounds", "2", "--out-dir", str(tmp_path), "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    nums = [r["round"] for r in data["rounds"]]
+    assert 1 <= len(nums) <= 2 and nums == sorted(nums)
+    assert data["rounds"] and data["epsilon"] == data["rounds"][-1]["epsilon"]
+    assert 0 < data["epsilon"] <= data["epsilon_budget"]
+    assert "round" in res.stderr  # progress of each round on stderr, stdout kept for the document
+
+
+def test_dp_sgd_json() -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    res = gaussdp("dp-sgd", "--epsilon", "4", "--epochs", "1", "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert 0 < data["epsilon"] <= 4.0 + 1e-6 and 0.0 <= data["accuracy"] <= 1.0
+    assert data["noise_multiplier"] > 0

@@ -189,12 +189,15 @@ def federated_demo(
     delta: float = typer.Option(1e-4, help="Delta of the budget (much smaller than 1/clients)."),
     accountant: LedgerAccountant = typer.Option(LedgerAccountant.pld, help="Ledger accountant: pld or rdp."),
     out_dir: str = typer.Option("demo_out", help="Where the ledger and the PNG go."),
+    json_output: bool = typer.Option(
+        False, "--json", help="Print the run as one JSON document on stdout (rounds go to stderr)."
+    ),
 ) -> None:
     """DP-FedAvg on 100 simulated clients (digits, non-IID), epsilon printed after every round."""
-    from gaussdp.cli._output import EXIT_USAGE, fail, make_console
+    from gaussdp.cli._output import EXIT_USAGE, emit_json, fail, make_console
     from gaussdp.errors import PrivacyError
 
-    console = make_console()
+    console = make_console(stderr=json_output)
     try:
         res = run_demo(
             num_clients=clients,
@@ -209,6 +212,30 @@ def federated_demo(
         )
     except PrivacyError as exc:
         fail(str(exc), EXIT_USAGE)
+    if json_output:
+        emit_json(
+            {
+                "rounds": [
+                    {
+                        "round": r.round_num,
+                        "sampled": r.sampled,
+                        "answered": r.answered,
+                        "clip_norm": r.clip_norm,
+                        "accuracy": r.metrics["accuracy"],
+                        "epsilon": r.epsilon,
+                    }
+                    for r in res.rounds
+                ],
+                "stopped": res.stopped,
+                "epsilon": res.epsilon,
+                "epsilon_budget": epsilon,
+                "delta": res.delta,
+                "accuracy": res.accuracy,
+                "png": None if res.png is None else str(res.png),
+                "ledger_url": res.ledger_url,
+            }
+        )
+        return
     _summary(console, res, epsilon)
 
 
