@@ -246,3 +246,19 @@ def test_dp_sgd_json() -> None:
     data = json.loads(res.stdout)
     assert 0 < data["epsilon"] <= 4.0 + 1e-6 and 0.0 <= data["accuracy"] <= 1.0
     assert data["noise_multiplier"] > 0
+
+
+def test_inference_report_json(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "r.png"
+    res = gaussdp(
+        "inference-report", "--epsilons", "1,100", "--clip-norms", "0.5", "--prompts", "2",
+        "--prompt-len", "6", "--out", str(png), "--json",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert [p["epsilon_per_token"] for p in data["points"]] == pytest.approx([1.0, 100.0])
+    assert all(p["clip_norm"] == 0.5 for p in data["points"])
+    assert png.is_file() and "0.00527" in res.stderr  # the human report went to stderr
