@@ -103,14 +103,23 @@ def test_text_vocabulary_reader_names_the_text_extra(monkeypatch: pytest.MonkeyP
 
 
 def test_sdist_ships_the_license_and_the_c_kernel_source(tmp_path: Path) -> None:
-    code = f"from setuptools import build_meta; print(build_meta.build_sdist({str(tmp_path)!r}))"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True
-    )
+    import shutil
     import tarfile
 
+    # Build from a copy, so that the test leaves no egg-info behind in the checkout.
+    tree = tmp_path / "tree"
+    ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info")
+    shutil.copytree(ROOT / "src", tree / "src", ignore=ignore)
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
+        shutil.copy2(ROOT / name, tree / name)
+    dist = tmp_path / "dist"
+    code = f"from setuptools import build_meta; print(build_meta.build_sdist({str(dist)!r}))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tree, capture_output=True, text=True, timeout=300, check=True
+    )
+
     name = proc.stdout.strip().splitlines()[-1]
-    with tarfile.open(tmp_path / name) as tar:
+    with tarfile.open(dist / name) as tar:
         members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
         top = name.removesuffix(".tar.gz")
         pkg_info = tar.extractfile(f"{top}/PKG-INFO").read().decode()  # type: ignore[union-attr]
