@@ -28,14 +28,20 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-from scipy import optimize, special
+from scipy import special
 
+from gaussdp._lazy import lazy_module
 from gaussdp._validate import check_delta, check_epsilon, check_positive, real_number
 from gaussdp._worklimit import check_work_limit
 from gaussdp.errors import InvalidParameter
+
+if TYPE_CHECKING:
+    from scipy import optimize
+else:
+    optimize = lazy_module("scipy.optimize")  # imported on first use: keeps `import gaussdp` cheap
 
 __all__ = [
     "classical_sigma",

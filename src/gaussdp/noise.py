@@ -402,7 +402,8 @@ def _fast_loop(
     With ``clip_norm``, the float64 norm of ``x * factor`` (in the data's dtype) is checked to
     stay at most ``clip_norm`` and the factor shrunk by a few ulps until it does.
     """
-    assert isinstance(src, _NumpySource)
+    if not isinstance(src, _NumpySource):
+        raise TypeError(f"the numpy path needs a numpy noise source, got {type(src).__name__}")
     work = np.float32 if arr.dtype == np.float32 else np.float64
     flat = arr.reshape(-1)
     out = np.empty(flat.size, dtype=arr.dtype)

@@ -15,14 +15,20 @@ delta between delta' and the per-release deltas, and never reports more than bas
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
-from scipy import optimize
 
+from gaussdp._lazy import lazy_module
 from gaussdp.accounting.base import fixed_leaves
 from gaussdp.accounting.basic import BasicComposition, leaf_epsilon
 from gaussdp.accounting.events import EpsilonDeltaEvent
 from gaussdp.errors import InvalidParameter
+
+if TYPE_CHECKING:
+    from scipy import optimize
+else:
+    optimize = lazy_module("scipy.optimize")  # imported on first use: keeps `import gaussdp` cheap
 
 __all__ = ["AdvancedComposition", "advanced_bound"]
 

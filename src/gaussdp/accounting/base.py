@@ -16,10 +16,9 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Callable
-from typing import Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-from scipy import optimize
-
+from gaussdp._lazy import lazy_module
 from gaussdp._validate import check_delta, real_number
 from gaussdp.accounting.events import (
     EpsilonDeltaEvent,
@@ -31,6 +30,11 @@ from gaussdp.accounting.events import (
     neighboring_relation_of,
 )
 from gaussdp.errors import InvalidParameter
+
+if TYPE_CHECKING:
+    from scipy import optimize
+else:
+    optimize = lazy_module("scipy.optimize")  # imported on first use: keeps `import gaussdp` cheap
 
 __all__ = [
     "Accountant",

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
-from scipy import optimize
-
+from gaussdp._lazy import lazy_module
 from gaussdp.accounting._mechanisms import PROFILE_LEAVES, leaf_log_delta
 from gaussdp.accounting._profiles import gaussian_epsilon, subsampled_epsilon
 from gaussdp.accounting.base import Accountant, fixed_leaves, invert_delta
 from gaussdp.accounting.events import EpsilonDeltaEvent, Event, GaussianEvent, SubsampledGaussianEvent
 from gaussdp.errors import InvalidParameter
+
+if TYPE_CHECKING:
+    from scipy import optimize
+else:
+    optimize = lazy_module("scipy.optimize")  # imported on first use: keeps `import gaussdp` cheap
 
 __all__ = ["BasicComposition", "leaf_epsilon"]
 

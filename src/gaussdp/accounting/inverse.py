@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from scipy import optimize
-
+from gaussdp._lazy import lazy_module
 from gaussdp._validate import check_delta, check_epsilon, check_probability
 from gaussdp.accounting.base import accountant as make_accountant
 from gaussdp.accounting.events import Event, GaussianEvent, SubsampledGaussianEvent, check_count
 from gaussdp.calibration import sigma_for
 from gaussdp.errors import InvalidParameter
+
+if TYPE_CHECKING:
+    from scipy import optimize
+else:
+    optimize = lazy_module("scipy.optimize")  # imported on first use: keeps `import gaussdp` cheap
 
 __all__ = ["noise_for_epsilon", "smallest_noise"]
 

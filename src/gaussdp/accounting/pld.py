@@ -53,12 +53,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy import fft, special
+from scipy import special
 
+from gaussdp._lazy import lazy_module
 from gaussdp.accounting._mechanisms import (
     PROFILE_LEAVES,
     leaf_atom_scale,
@@ -72,6 +73,11 @@ from gaussdp.accounting.events import EpsilonDeltaEvent, Event, GaussianEvent, S
 from gaussdp.accounting.rdp import RDPAccountant
 from gaussdp.calibration import delta_for_mu, epsilon_for_mu
 from gaussdp.errors import InvalidParameter
+
+if TYPE_CHECKING:
+    from scipy import fft
+else:
+    fft = lazy_module("scipy.fft")  # imported on first use: keeps `import gaussdp` cheap
 
 __all__ = ["PLDAccountant"]
 

@@ -191,7 +191,8 @@ class PostgresStore:
                 (principal, epsilon, delta, accountant, time.time()),
             )
             r = conn.execute(self._sql["principal"], (principal,)).fetchone()
-        assert r is not None
+        if r is None:  # the INSERT ... DO NOTHING above guarantees a row; a miss is a database fault
+            raise RuntimeError(f"ledger principal {principal!r} missing right after it was opened")
         return PrincipalRow(principal, r[0], r[1], r[2], r[3])
 
     def get_principal(self, principal: str) -> PrincipalRow | None:
@@ -250,7 +251,8 @@ class PostgresStore:
                 )
             pipe.sync()  # COMMIT has been queued by the transaction block; wait for it
             w = write.fetchone()
-            assert w is not None
+            if w is None:
+                raise RuntimeError(f"the charge of {principal!r} returned no row from PostgreSQL")
         return StoredCharge(int(w[0]), principal, event_key, idempotency_key, now, within)
 
     def charge_fast(
@@ -271,7 +273,8 @@ class PostgresStore:
                 f"SELECT * FROM {self.schema}.gdp_charge_fast(%s, %s, %s, %s, %s, %s)",
                 (principal, event_key, idempotency_key, others_fingerprint(others), int(allowed), now),
             ).fetchone()
-        assert r is not None
+        if r is None:
+            raise RuntimeError(f"gdp_charge_fast returned no row for principal {principal!r}")
         status = r[0]
         if status == "unknown":
             raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import parse_qs, unquote
+from urllib.parse import parse_qs, quote, unquote
 
 from gaussdp.budget.store import (
     ApiKeyRow,
@@ -67,7 +67,14 @@ CREATE TABLE IF NOT EXISTS gdp_api_keys (
 class SQLiteStore:
     """One database file shared by any number of threads and processes on one machine."""
 
-    def __init__(self, path: str | Path, *, synchronous: str = "full", busy_timeout_ms: int = 60_000) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        synchronous: str = "full",
+        busy_timeout_ms: int = 60_000,
+        read_only: bool = False,
+    ) -> None:
         if synchronous.lower() not in ("full", "normal", "extra"):
             raise InvalidParameter(
                 f"synchronous must be full, normal or extra, got synchronous={synchronous!r}"
@@ -77,12 +84,25 @@ class SQLiteStore:
             raise InvalidParameter("an in-memory SQLite database cannot be shared; use url='memory://'")
         self._synchronous = synchronous.upper()
         self._busy_timeout_ms = int(busy_timeout_ms)
+        # read_only: for commands that only look (``gaussdp ledger show``). The file is opened through a
+        # ``mode=ro`` URI, so a mistyped path is an error instead of a new, empty ledger.
+        self.read_only = bool(read_only)
         self._pool: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
         self._all: list[sqlite3.Connection] = []
         # Writers of this process queue on a lock (FIFO-ish, no sleeping) instead of in SQLite's busy
         # handler, whose back-off sleeps of up to 100 ms dominate tail latency under contention.
         # Other processes still meet each other in the busy handler: correctness never depends on it.
         self._write_lock = threading.Lock()
+        if self.read_only:
+            if not Path(self.path).is_file():
+                raise InvalidParameter(
+                    f"no SQLite ledger at {self.path!r} (opened read-only: nothing is created)"
+                )
+            with self._conn() as conn:
+                tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if "gdp_principals" not in tables:
+                raise InvalidParameter(f"{self.path!r} is not a gaussdp ledger (no gdp_principals table)")
+            return
         with self._conn() as conn:
             conn.execute("BEGIN IMMEDIATE")
             try:
@@ -95,7 +115,7 @@ class SQLiteStore:
                 raise
 
     @classmethod
-    def from_url(cls, url: str) -> SQLiteStore:
+    def from_url(cls, url: str, *, read_only: bool = False) -> SQLiteStore:
         rest = url[len("sqlite://") :]
         if not rest.startswith("/"):
             raise InvalidParameter(f"a SQLite url looks like sqlite:///ledger.db, got url={url!r}")
@@ -108,12 +128,23 @@ class SQLiteStore:
             unquote(path),
             synchronous=options.get("synchronous", "full"),
             busy_timeout_ms=int(options.get("busy_timeout_ms", 60_000)),
+            read_only=read_only,
         )
 
     def _connect(self) -> sqlite3.Connection:
+        target, uri = self.path, False
+        if self.read_only:
+            # mode=ro never creates the database. A WAL database read with mode=ro alone makes SQLite
+            # create its -wal and -shm files when they are missing; they are missing only when no
+            # connection has it open and every change is in the main file, so then it is read as
+            # immutable (no side files). Where they exist they are used, and nothing new is created.
+            path = Path(self.path).resolve()
+            query = "mode=ro" if Path(f"{path}-wal").exists() else "mode=ro&immutable=1"
+            target, uri = f"file:{quote(str(path))}?{query}", True
         try:
             conn = sqlite3.connect(
-                self.path,
+                target,
+                uri=uri,
                 timeout=self._busy_timeout_ms / 1000.0,
                 isolation_level=None,  # we issue BEGIN IMMEDIATE / COMMIT ourselves
                 check_same_thread=False,  # a pooled connection is used by one thread at a time
@@ -121,6 +152,9 @@ class SQLiteStore:
         except sqlite3.OperationalError as exc:
             raise sqlite3.OperationalError(f"cannot open the SQLite ledger {self.path!r}: {exc}") from exc
         conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
+        if self.read_only:  # no journal-mode switch: that is a write
+            self._all.append(conn)
+            return conn
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if mode.lower() != "wal":
             raise InvalidParameter(f"could not switch {self.path!r} to WAL mode (got {mode!r})")
@@ -150,7 +184,8 @@ class SQLiteStore:
                 (principal, epsilon, delta, accountant, time.time()),
             )
             row = self._principal(conn, principal)
-            assert row is not None
+            if row is None:  # the INSERT ... DO NOTHING above guarantees a row; a miss is a database fault
+                raise RuntimeError(f"ledger principal {principal!r} missing right after it was opened")
             return row
 
     @staticmethod
@@ -235,7 +270,8 @@ class SQLiteStore:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
-        assert charge_id is not None
+        if charge_id is None:
+            raise RuntimeError(f"the charge of {principal!r} was committed without a charge id")
         return StoredCharge(charge_id, principal, event_key, idempotency_key, now, within)
 
     def history(self, principal: str, limit: int | None = None) -> list[StoredCharge]:

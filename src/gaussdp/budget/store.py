@@ -143,7 +143,7 @@ def check_idempotency_key(key: object) -> str | None:
     return key
 
 
-def open_store(url: str) -> Store:
+def open_store(url: str, *, read_only: bool = False) -> Store:
     """The store for ``url``: ``memory://``, ``sqlite:///relative/or/absolute.db``, ``postgresql://...``.
 
     SQLite URLs follow SQLAlchemy's spelling: three slashes then a relative path
@@ -151,6 +151,9 @@ def open_store(url: str) -> Store:
     options ``synchronous=full|normal`` (default ``full``) and ``busy_timeout_ms``.
     PostgreSQL URLs are libpq URIs; the extra query option ``schema=NAME`` keeps the ledger's tables
     in that schema (created when missing), and ``pool_size=N`` sizes the connection pool.
+
+    ``read_only=True`` (SQLite): open an existing ledger without creating or changing anything; a
+    missing file or one that is not a ledger raises :class:`InvalidParameter`.
     """
     if not isinstance(url, str):
         raise TypeError(f"url must be a str, got url={url!r}")
@@ -161,7 +164,7 @@ def open_store(url: str) -> Store:
     if url.startswith("sqlite://"):
         from gaussdp.budget.sqlite import SQLiteStore
 
-        return SQLiteStore.from_url(url)
+        return SQLiteStore.from_url(url, read_only=read_only)
     if url.startswith(("postgresql://", "postgres://")):
         from gaussdp.budget.postgres import PostgresStore
 

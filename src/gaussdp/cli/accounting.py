@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import typer
 
+from gaussdp._extras import require_extra
+from gaussdp.cli._output import EXIT_USAGE, emit_json, fail, make_console
+
 _ALL = ("pld", "rdp", "gdp", "advanced", "basic")  # the plot's curves; gdp drawn dashed, labelled
+
+
+class AccountantName(StrEnum):
+    """The accountants whose figures are upper bounds (gdp, an approximation, is only drawn by --plot)."""
+
+    pld = "pld"
+    rdp = "rdp"
+    advanced = "advanced"
+    basic = "basic"
 
 
 def register(app: typer.Typer) -> None:
@@ -19,54 +32,63 @@ def account(
     sample_rate: float = typer.Option(1.0, help="Poisson sampling rate q in (0, 1]."),
     steps: int = typer.Option(1, help="Number of steps (releases)."),
     delta: float = typer.Option(1e-5, help="Target delta, in (0, 1)."),
-    accountant: str = typer.Option(
-        "pld",
+    accountant: AccountantName = typer.Option(
+        AccountantName.pld,
         help="pld (default, tight) | rdp | advanced | basic: upper bounds only ('gdp', a CLT "
         "approximation, is drawn in --plot but never printed as a guarantee).",
     ),
     target_epsilon: float = typer.Option(None, help="Print the noise multiplier that meets this epsilon."),
     plot: str = typer.Option("", help="Write a PNG of epsilon over steps for every accountant."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
 ) -> None:
     """Epsilon of STEPS subsampled Gaussian steps (add/remove neighbours), or the noise for a target."""
-    from rich.console import Console
-
     from gaussdp.accounting import SubsampledGaussianEvent, noise_for_epsilon
     from gaussdp.accounting import accountant as make_accountant
-    from gaussdp.errors import PrivacyError
 
-    console = Console()
-    err = Console(stderr=True)
-    try:
-        if target_epsilon is not None:
-            sigma = noise_for_epsilon(
-                target_epsilon=target_epsilon,
-                delta=delta,
-                sample_rate=sample_rate,
-                steps=steps,
-                accountant=accountant,
-            )
-            console.print(
-                f"noise multiplier = {sigma:.6g} for epsilon <= {target_epsilon:g} at delta={delta:g} "
-                f"({steps} steps, sample rate {sample_rate:g}, accountant={accountant})"
-            )
-            noise_multiplier = sigma
-        if noise_multiplier is None:
-            err.print("[red]error:[/red] give --noise-multiplier or --target-epsilon")
-            raise typer.Exit(2)
-        acc = make_accountant(accountant).compose(
-            SubsampledGaussianEvent(noise_multiplier, sample_rate), count=steps
+    name = accountant.value
+    console = make_console()
+    target_sigma = None
+    if target_epsilon is not None:
+        target_sigma = noise_for_epsilon(
+            target_epsilon=target_epsilon,
+            delta=delta,
+            sample_rate=sample_rate,
+            steps=steps,
+            accountant=name,
         )
-        eps = acc.epsilon(delta)
-    except PrivacyError as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        if not json_output:
+            console.print(
+                f"noise multiplier = {target_sigma:.6g} for epsilon <= {target_epsilon:g} at "
+                f"delta={delta:g} ({steps} steps, sample rate {sample_rate:g}, accountant={name})"
+            )
+        noise_multiplier = target_sigma
+    if noise_multiplier is None:
+        fail("give --noise-multiplier or --target-epsilon", EXIT_USAGE)
+    acc = make_accountant(name).compose(SubsampledGaussianEvent(noise_multiplier, sample_rate), count=steps)
+    eps = acc.epsilon(delta)
+    if plot:
+        _plot(Path(plot), noise_multiplier, sample_rate, steps, delta)
+    if json_output:
+        emit_json(
+            {
+                "epsilon": eps,
+                "delta": delta,
+                "accountant": name,
+                "noise_multiplier": noise_multiplier,
+                "sample_rate": sample_rate,
+                "steps": steps,
+                "neighbours": "add/remove",
+                "target_epsilon": target_epsilon,
+                "plot": plot or None,
+            }
+        )
+        return
     console.print(
-        f"epsilon = {eps:.6g} at delta={delta:g}   accountant={accountant}; "
+        f"epsilon = {eps:.6g} at delta={delta:g}   accountant={name}; "
         f"noise multiplier {noise_multiplier:g}, sample rate {sample_rate:g}, {steps} steps, "
         "add/remove neighbours"
     )
     if plot:
-        _plot(Path(plot), noise_multiplier, sample_rate, steps, delta)
         console.print(f"plot written to {plot}")
 
 
@@ -98,13 +120,16 @@ def epsilon_curve(
 
 
 def _plot(path: Path, noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> None:
+    require_extra("plot", feature="gaussdp account --plot")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from rich.progress import track
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in _ALL:
+    progress = make_console(stderr=True)
+    for name in track(_ALL, description="accounting for the plot", console=progress, transient=True):
         xs, ys = epsilon_curve(name, noise_multiplier, sample_rate, steps, delta)
         label = f"{name} (approximate)" if name == "gdp" else name
         ax.plot(xs, ys, label=label, linestyle="--" if name == "gdp" else "-")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -13,31 +14,55 @@ def register(app: typer.Typer) -> None:
     app.command()(sanitize)
 
 
+class CalibrationMethod(StrEnum):
+    analytic = "analytic"
+    classical = "classical"
+
+
+class NoiseKind(StrEnum):
+    secure = "secure"
+    fast = "fast"
+
+
 def calibrate(
     epsilon: float = typer.Option(..., help="Target epsilon, > 0."),
     delta: float = typer.Option(..., help="Target delta, in (0, 1)."),
     sensitivity: float = typer.Option(1.0, help="L2 sensitivity of the query."),
-    method: str = typer.Option("analytic", help="'analytic' (exact, default) or 'classical'."),
+    method: CalibrationMethod = typer.Option(
+        CalibrationMethod.analytic, help="'analytic' (exact, default) or 'classical'."
+    ),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
 ) -> None:
     """Print the noise sigma for one (epsilon, delta) Gaussian release, and what it really buys."""
-    from rich.console import Console
-
     from gaussdp.calibration import delta_for, epsilon_for, sigma_for
-    from gaussdp.errors import PrivacyError
+    from gaussdp.cli._output import emit_json, make_console
 
-    console = Console()
-    try:
-        sigma = sigma_for(epsilon=epsilon, delta=delta, sensitivity=sensitivity, method=method)  # type: ignore[arg-type]
-    except PrivacyError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
-    console.print(f"sigma = {sigma:.10g}   (method={method}, sensitivity={sensitivity:g})")
+    how = method.value
+    sigma = sigma_for(epsilon=epsilon, delta=delta, sensitivity=sensitivity, method=how)  # type: ignore[arg-type]
     true_eps = epsilon_for(sigma=sigma, delta=delta, sensitivity=sensitivity)
     true_delta = delta_for(sigma=sigma, epsilon=epsilon, sensitivity=sensitivity)
+    analytic = sigma
+    if how == "classical":
+        analytic = sigma_for(epsilon=epsilon, delta=delta, sensitivity=sensitivity)
+    if json_output:
+        emit_json(
+            {
+                "sigma": sigma,
+                "method": how,
+                "epsilon": epsilon,
+                "delta": delta,
+                "sensitivity": sensitivity,
+                "true_epsilon": true_eps,
+                "true_delta": true_delta,
+                "analytic_sigma": analytic,
+            }
+        )
+        return
+    console = make_console()
+    console.print(f"sigma = {sigma:.10g}   (method={how}, sensitivity={sensitivity:g})")
     console.print(f"true epsilon at delta={delta:g}: {true_eps:.6g}")
     console.print(f"true delta at epsilon={epsilon:g}: {true_delta:.6g}")
-    if method == "classical":
-        analytic = sigma_for(epsilon=epsilon, delta=delta, sensitivity=sensitivity)
+    if how == "classical":
         console.print(
             f"the analytic sigma for the same target is {analytic:.10g} "
             f"(classical adds {sigma / analytic:.3f}x that noise)"
@@ -51,9 +76,10 @@ def sanitize(
     delta: float = typer.Option(..., help="Per-individual delta of this release, in (0, 1)."),
     clip_norm: float = typer.Option(..., help="L2 bound of each row (the sensitivity), > 0."),
     chunk_rows: int | None = typer.Option(None, help="Rows per chunk (default: about 16 MiB of input)."),
-    noise: str = typer.Option("secure", help="'secure' (floating-point safe, default) or 'fast'."),
+    noise: NoiseKind = typer.Option(NoiseKind.secure, help="'secure' (floating-point safe) or 'fast'."),
     seed: int | None = typer.Option(None, help="Reproducible noise: the output is NOT private."),
     workers: int | None = typer.Option(None, help="Threads clipping and noising chunks (default: up to 2)."),
+    json_output: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
 ) -> None:
     """Clip every row of IN_PATH to --clip-norm, add calibrated Gaussian noise, write OUT_PATH.
 
@@ -61,14 +87,14 @@ def sanitize(
     epsilon of the release: per individual (one row), under add/remove of a row (sensitivity
     clip_norm) and under replacement of a row (sensitivity 2 * clip_norm).
     """
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from gaussdp.cli._output import make_console
     from gaussdp.embeddings import sanitize_npy
     from gaussdp.errors import PrivacyError
 
-    console = Console(stderr=False)
-    err = Console(stderr=True)
+    console = make_console(stderr=False)
+    err = make_console(stderr=True)
     rows = None
     try:
         import numpy as np
@@ -96,7 +122,7 @@ def sanitize(
                 delta=delta,
                 clip_norm=clip_norm,
                 chunk_rows=chunk_rows,
-                noise=noise,
+                noise=noise.value,
                 seed=seed,
                 progress=lambda n: progress.advance(task, n),
                 workers=workers,
@@ -105,18 +131,40 @@ def sanitize(
         err.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         err.print(f"nothing was written to {out_path}", soft_wrap=True)
         raise typer.Exit(2) from None
-    console.print(
-        f"sanitized {report.rows} rows x {report.cols} ({report.dtype}) -> {out_path}\n"
-        f"clip_norm={report.clip_norm:g}: {report.n_clipped} rows clipped; mean row norm "
-        f"{report.avg_norm_before:.4g} -> {report.avg_norm_after:.4g}\n"
-        f"noise sigma={report.sigma:.6g} per coordinate ({report.noise})",
-        soft_wrap=True,
-    )
-    console.print(
-        f"true epsilon per individual at delta={report.delta:g}: {report.epsilon:.6g} "
-        f"(add/remove one row); {report.epsilon_replace:.6g} (replace one row)",
-        soft_wrap=True,
-    )
+    if json_output:
+        from gaussdp.cli._output import emit_json
+
+        emit_json(
+            {
+                "out_path": str(out_path),
+                "rows": report.rows,
+                "cols": report.cols,
+                "dtype": str(report.dtype),
+                "clip_norm": report.clip_norm,
+                "n_clipped": report.n_clipped,
+                "avg_norm_before": report.avg_norm_before,
+                "avg_norm_after": report.avg_norm_after,
+                "sigma": report.sigma,
+                "noise": report.noise,
+                "delta": report.delta,
+                "epsilon": report.epsilon,
+                "epsilon_replace": report.epsilon_replace,
+                "private": report.private,
+            }
+        )
+    else:
+        console.print(
+            f"sanitized {report.rows} rows x {report.cols} ({report.dtype}) -> {out_path}\n"
+            f"clip_norm={report.clip_norm:g}: {report.n_clipped} rows clipped; mean row norm "
+            f"{report.avg_norm_before:.4g} -> {report.avg_norm_after:.4g}\n"
+            f"noise sigma={report.sigma:.6g} per coordinate ({report.noise})",
+            soft_wrap=True,
+        )
+        console.print(
+            f"true epsilon per individual at delta={report.delta:g}: {report.epsilon:.6g} "
+            f"(add/remove one row); {report.epsilon_replace:.6g} (replace one row)",
+            soft_wrap=True,
+        )
     if not report.private:
         err.print("[yellow]warning:[/yellow] seeded noise: this output is NOT private")
 

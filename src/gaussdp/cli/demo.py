@@ -30,10 +30,11 @@ def register(app: typer.Typer) -> None:
         only: str = typer.Option("", help="Run only sections whose title contains this text."),
     ) -> None:
         """Run the tour of gaussdp: every section prints what it did and the true epsilon spent."""
-        from rich.console import Console
         from rich.rule import Rule
 
-        console = Console()
+        from gaussdp.cli._output import make_console
+
+        console = make_console()
         out_dir.mkdir(parents=True, exist_ok=True)
         for title, target in _SECTIONS:
             if only and only.lower() not in title.lower():

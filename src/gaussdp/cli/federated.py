@@ -11,10 +11,13 @@ epsilon over rounds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import typer
+
+from gaussdp._extras import require_extra
 
 
 @dataclass
@@ -118,6 +121,7 @@ def run_demo(
 
 
 def _plot(rounds: list[Any], path: Path, budget: float, delta: float) -> Path:
+    require_extra("plot", feature="the federated plot")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,6 +175,11 @@ def register(app: typer.Typer) -> None:
     app.command("federated-demo")(federated_demo)
 
 
+class LedgerAccountant(StrEnum):
+    pld = "pld"
+    rdp = "rdp"
+
+
 def federated_demo(
     rounds: int = typer.Option(40, help="Rounds to attempt (training stops earlier if the budget ends)."),
     clients: int = typer.Option(100, help="Number of simulated clients."),
@@ -178,15 +187,17 @@ def federated_demo(
     noise_multiplier: float = typer.Option(2.5, help="Noise multiplier z of each round."),
     epsilon: float = typer.Option(6.0, help="Client-level epsilon budget of the run."),
     delta: float = typer.Option(1e-4, help="Delta of the budget (much smaller than 1/clients)."),
-    accountant: str = typer.Option("pld", help="Ledger accountant: pld (tight) or rdp."),
+    accountant: LedgerAccountant = typer.Option(LedgerAccountant.pld, help="Ledger accountant: pld or rdp."),
     out_dir: str = typer.Option("demo_out", help="Where the ledger and the PNG go."),
+    json_output: bool = typer.Option(
+        False, "--json", help="Print the run as one JSON document on stdout (rounds go to stderr)."
+    ),
 ) -> None:
     """DP-FedAvg on 100 simulated clients (digits, non-IID), epsilon printed after every round."""
-    from rich.console import Console
-
+    from gaussdp.cli._output import EXIT_USAGE, emit_json, fail, make_console
     from gaussdp.errors import PrivacyError
 
-    console = Console()
+    console = make_console(stderr=json_output)
     try:
         res = run_demo(
             num_clients=clients,
@@ -195,13 +206,36 @@ def federated_demo(
             noise_multiplier=noise_multiplier,
             target_epsilon=epsilon,
             delta=delta,
-            accountant=accountant,
+            accountant=accountant.value,
             out_dir=Path(out_dir),
             on_round=_print_round(console),
         )
     except PrivacyError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        fail(str(exc), EXIT_USAGE)
+    if json_output:
+        emit_json(
+            {
+                "rounds": [
+                    {
+                        "round": r.round_num,
+                        "sampled": r.sampled,
+                        "answered": r.answered,
+                        "clip_norm": r.clip_norm,
+                        "accuracy": r.metrics["accuracy"],
+                        "epsilon": r.epsilon,
+                    }
+                    for r in res.rounds
+                ],
+                "stopped": res.stopped,
+                "epsilon": res.epsilon,
+                "epsilon_budget": epsilon,
+                "delta": res.delta,
+                "accuracy": res.accuracy,
+                "png": None if res.png is None else str(res.png),
+                "ledger_url": res.ledger_url,
+            }
+        )
+        return
     _summary(console, res, epsilon)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,11 @@ import typer
 
 def register(app: typer.Typer) -> None:
     app.command("inference-report")(inference_report)
+
+
+class PrivatizeUnit(StrEnum):
+    token = "token"
+    sequence = "sequence"
 
 
 def _floats(name: str, text: str) -> list[float]:
@@ -53,15 +59,21 @@ def inference_report(
     layer: str = typer.Option("", help="Module path to hook (default: the last transformer block)."),
     prompts: int = typer.Option(8, help="Number of random prompts."),
     prompt_len: int = typer.Option(16, help="Tokens per prompt."),
-    per: str = typer.Option("token", help="'token' or 'sequence'."),
+    per: PrivatizeUnit = typer.Option(PrivatizeUnit.token, help="'token' or 'sequence'."),
     out: str = typer.Option("inference_report.png", help="Where to write the PNG."),
+    json_output: bool = typer.Option(
+        False, "--json", help="Print the sweep as one JSON document on stdout (the table goes to stderr)."
+    ),
 ) -> None:
     """Sweep epsilon and clip norm, print SNR and next-token effects, draw the privacy/utility PNG."""
-    from rich.console import Console
+    import dataclasses
+
     from rich.table import Table
 
-    console = Console()
-    run_report(
+    from gaussdp.cli._output import emit_json, make_console
+
+    console = make_console(stderr=json_output)
+    reports = run_report(
         console,
         epsilons=_floats("epsilons", epsilons),
         clip_norms=None if clip_norms.strip() == "auto" else _floats("clip_norms", clip_norms),
@@ -70,10 +82,12 @@ def inference_report(
         layer=layer or None,
         n_prompts=prompts,
         prompt_len=prompt_len,
-        per=per,
+        per=str(per),
         out=Path(out),
         table_cls=Table,
     )
+    if json_output:
+        emit_json({"delta": delta, "png": out, "points": [dataclasses.asdict(r) for r in reports]})
 
 
 def run_report(
@@ -136,9 +150,9 @@ def run_report(
             f"{r.ppl_clean:.3g}->{r.ppl_private:.3g}",
         )
     if console.width < 110:  # the table needs ~110 columns; a pipe reports 80
-        from rich.console import Console
+        from gaussdp.cli._output import make_console
 
-        Console(width=110, file=console.file).print(table)
+        make_console(width=110, file=console.file).print(table)
     else:
         console.print(table)
     path = plot_privacy_utility(reports, out, doc=doc)
@@ -174,7 +188,8 @@ def demo(console: Any, out_dir: Path) -> None:
                 console.print(f"request {i}: refused: {str(exc)[:110]}...")
                 break
             s = priv.last_release
-            assert s is not None
+            if s is None:
+                raise RuntimeError("the privatizer released without recording its release")
             console.print(
                 f"request {i}: {s.rows} tokens charged, "
                 f"spent epsilon={ledger.spent('session-1').epsilon:.3f}; "

@@ -76,9 +76,7 @@ def keys_list(db: str = typer.Option(DEFAULT_DB, "--db", help=_DB_HELP)) -> None
     """List key ids and tenants (never the keys)."""
     import datetime as dt
 
-    from gaussdp.budget import Ledger
-
-    with Ledger(db) as ledger:
+    with _read_only_ledger(db) as ledger:
         for row in ledger.store.list_api_keys():
             when = dt.datetime.fromtimestamp(row.created_at, dt.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
             typer.echo(f"{row.key_id}  {row.tenant}  {when}{'  revoked' if row.revoked else ''}")
@@ -98,17 +96,41 @@ def keys_revoke(
     typer.echo(f"revoked {key_id}")
 
 
+def _read_only_ledger(db: str) -> Any:
+    """The ledger at ``db`` opened read-only: a missing SQLite file is an error, never created."""
+    from gaussdp.budget import Ledger
+    from gaussdp.budget.store import open_store
+
+    return Ledger(db, store=open_store(db, read_only=True))
+
+
 def ledger_show(
     prefix: str = typer.Argument("", help="Show principals whose name starts with this."),
-    db: str = typer.Option(DEFAULT_DB, "--db", help=_DB_HELP),
+    db: str = typer.Option(DEFAULT_DB, "--db", help=_DB_HELP + " Opened read-only."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
 ) -> None:
-    """Budget, spent and charges of each principal."""
-    from rich.console import Console
+    """Budget, spent and charges of each principal (read-only: never creates or changes the ledger)."""
+    from gaussdp.cli._output import emit_json, make_console
 
-    from gaussdp.budget import Ledger
+    with _read_only_ledger(db) as ledger:
+        principals = ledger.principals(prefix)
+        if json_output:
+            emit_json({"principals": [_ledger_row(ledger, p) for p in principals]})
+            return
+        make_console().print(_ledger_table(ledger, principals))
 
-    with Ledger(db) as ledger:
-        Console().print(_ledger_table(ledger, ledger.principals(prefix)))
+
+def _ledger_row(ledger: Any, principal: str) -> dict[str, Any]:
+    budget, spent = ledger.budget(principal), ledger.spent(principal)
+    events = ledger.events(principal)
+    return {
+        "principal": principal,
+        "accountant": ledger.accountant(principal),
+        "budget": {"epsilon": budget.epsilon, "delta": budget.delta},
+        "spent": {"epsilon": spent.epsilon, "delta": spent.delta},
+        "events": [{"event": e.to_dict(), "count": c} for e, c in events],
+        "charges": sum(c for _, c in events),
+    }
 
 
 def _ledger_table(ledger: Any, principals: list[str]) -> Any:

@@ -3,12 +3,34 @@
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 _MECHANISM_HELP = "gaussian (document 002), laplace (multivariate), mahalanobis, or tem."
+
+
+# Enumerated options (StrEnum members are str: they pass to the library unchanged).
+class WordMechanismName(StrEnum):
+    gaussian = "gaussian"
+    laplace = "laplace"
+    mahalanobis = "mahalanobis"
+    tem = "tem"
+
+
+class UnknownPolicy(StrEnum):
+    perturb = "perturb"
+    sample = "sample"
+    drop = "drop"
+    error = "error"
+
+
+class SearchMethod(StrEnum):
+    exact = "exact"
+    faiss_flat = "faiss-flat"
+    faiss_hnsw = "faiss-hnsw"
 
 
 def register(app: typer.Typer) -> None:
@@ -97,7 +119,7 @@ def perturb_text_command(
             "Default: the demo vocabulary shipped with gaussdp."
         ),
     ] = None,
-    mechanism: Annotated[str, typer.Option(help=_MECHANISM_HELP)] = "gaussian",
+    mechanism: Annotated[WordMechanismName, typer.Option(help=_MECHANISM_HELP)] = WordMechanismName.gaussian,
     epsilon: Annotated[
         float | None,
         typer.Option(
@@ -114,34 +136,44 @@ def perturb_text_command(
         ),
     ] = None,
     unknown: Annotated[
-        str, typer.Option(help="Out-of-vocabulary words: perturb, sample, drop, error.")
-    ] = "perturb",
+        UnknownPolicy, typer.Option(help="Out-of-vocabulary words: perturb, sample, drop, error.")
+    ] = UnknownPolicy.perturb,
     seed: Annotated[int | None, typer.Option(help="Reproducible noise. NOT private.")] = None,
     search: Annotated[
-        str, typer.Option(help="Nearest-word search: exact (default), faiss-flat, faiss-hnsw (approximate).")
-    ] = "exact",
+        SearchMethod,
+        typer.Option(help="Nearest-word search: exact (default), faiss-flat, faiss-hnsw (approximate)."),
+    ] = SearchMethod.exact,
     report: Annotated[Path | None, typer.Option(help="Also write the statistics as JSON here.")] = None,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print the statistics as one JSON document on stdout.")
+    ] = False,
 ) -> None:
     """Perturb every word of IN.txt (local DP) and write the released words to OUT.txt."""
     import warnings
 
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from gaussdp.cli._output import make_console
     from gaussdp.errors import NotPrivateWarning, PrivacyError
     from gaussdp.text.perturb import perturb_text
     from gaussdp.text.tokenize import read_text, words
 
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     try:
         text = read_text(input_path)
         vocabulary = _load_vocab(vocab)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NotPrivateWarning)
             mech = _build_mechanism(
-                mechanism, vocabulary, epsilon=epsilon, sigma=sigma, delta=delta, distance=distance, seed=seed
+                str(mechanism),
+                vocabulary,
+                epsilon=epsilon,
+                sigma=sigma,
+                delta=delta,
+                distance=distance,
+                seed=seed,
             )
-        mech.search = search
+        mech.search = str(search)
         if seed is not None:
             console.print(
                 "[yellow]warning:[/yellow] --seed makes the noise reproducible: output is NOT private"
@@ -156,7 +188,7 @@ def perturb_text_command(
         ) as progress:
             task = progress.add_task("words", total=total)
             result = perturb_text(
-                text, mech, unknown=unknown, progress=lambda done: progress.update(task, completed=done)
+                text, mech, unknown=str(unknown), progress=lambda done: progress.update(task, completed=done)
             )
     except (PrivacyError, TypeError, OSError) as exc:
         console.print(f"[red]error:[/red] {exc}")
@@ -168,6 +200,10 @@ def perturb_text_command(
     if report is not None:
         report.write_text(json.dumps(result.summary(), indent=2), encoding="utf-8")
     console.print(f"wrote {output_path}")
+    if json_output:
+        from gaussdp.cli._output import emit_json
+
+        emit_json(result.summary())
 
 
 def vocab_train(
@@ -183,12 +219,11 @@ def vocab_train(
     max_vocab: int = 100_000,
 ) -> None:
     """Train word2vec (gensim) on CORPUS.txt, clip vectors to [-1, 1], save as our .npz format."""
-    from rich.console import Console
-
+    from gaussdp.cli._output import make_console
     from gaussdp.errors import PrivacyError
     from gaussdp.text.vocabulary import Vocabulary
 
-    console = Console()
+    console = make_console()
     try:
         vocabulary = Vocabulary.train(
             corpus,
@@ -200,7 +235,7 @@ def vocab_train(
             max_vocab=max_vocab,
         )
     except (PrivacyError, OSError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        make_console(stderr=True).print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
     path = vocabulary.save(output)
     console.print(f"{vocabulary} written to {path}")
@@ -210,33 +245,58 @@ def vocab_stats(
     vocab: Annotated[Path, typer.Argument(metavar="VOCAB", help="A vocabulary file.")],
     sigma: Annotated[float, typer.Option(help="Gaussian sigma to report the per-word guarantee for.")] = 0.1,
     delta: float = 1e-5,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")] = False,
 ) -> None:
     """Size, distances, and what a Gaussian sigma means for words of this vocabulary."""
-    from rich.console import Console
-
+    from gaussdp.cli._output import make_console
     from gaussdp.text.mechanisms import GaussianWordMechanism
     from gaussdp.text.vocabulary import Vocabulary
 
-    console = Console()
+    console = make_console()
     vocabulary = Vocabulary.load(vocab)
-    console.print(f"{vocabulary}; {vocabulary.meta.get('source', '')}")
     d_nn = vocabulary.nearest_neighbour_distance()
+    mech = GaussianWordMechanism(vocabulary, sigma=sigma, delta=delta)
+    distances = (
+        ("nearest neighbour", d_nn),
+        ("vocabulary diameter", vocabulary.diameter_bound),
+        ("box diagonal", vocabulary.box_diameter),
+    )
+    if json_output:
+        from gaussdp.cli._output import emit_json
+
+        emit_json(
+            {
+                "words": len(vocabulary),
+                "dim": vocabulary.dim,
+                "source": vocabulary.meta.get("source", ""),
+                "nearest_neighbour_distance": d_nn,
+                "diameter_bound": vocabulary.diameter_bound,
+                "box_diameter": vocabulary.box_diameter,
+                "sigma": sigma,
+                "delta": delta,
+                "guarantees": [
+                    {"distance_of": label, "distance": d, **_guarantee(mech.word_guarantee(d))}
+                    for label, d in distances
+                ],
+            }
+        )
+        return
+    console.print(f"{vocabulary}; {vocabulary.meta.get('source', '')}")
     console.print(f"median nearest-neighbour distance: {d_nn:.4g}")
     console.print(
         f"diameter bound: {vocabulary.diameter_bound:.4g} (box diagonal 2*sqrt(dim) = "
         f"{vocabulary.box_diameter:.4g})"
     )
-    mech = GaussianWordMechanism(vocabulary, sigma=sigma, delta=delta)
-    for label, d in (
-        ("nearest neighbour", d_nn),
-        ("vocabulary diameter", vocabulary.diameter_bound),
-        ("box diagonal", vocabulary.box_diameter),
-    ):
+    for label, d in distances:
         g = mech.word_guarantee(d)
         console.print(
             f"sigma={sigma:g}, {label} (d={d:.4g}): rho={g.rho:.4g}, "
             f"epsilon={g.epsilon:.4g} at delta={delta:g}"
         )
+
+
+def _guarantee(g: Any) -> dict[str, Any]:
+    return {"rho": g.rho, "epsilon": g.epsilon}
 
 
 def demo(console: Any, out_dir: Path) -> None:

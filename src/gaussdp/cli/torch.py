@@ -95,12 +95,16 @@ def dp_sgd(
     epsilon: float = typer.Option(8.0, help="Target epsilon for the whole training run."),
     delta: float = typer.Option(1e-5, help="Target delta."),
     epochs: int = typer.Option(15, help="Epochs (expected passes over the data)."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
 ) -> None:
     """Train an MLP on the bundled digits with DP-SGD and print accuracy and the epsilon spent."""
-    from rich.console import Console
+    from gaussdp.cli._output import emit_json, make_console
 
-    console = Console()
+    console = make_console()
     res = train_digits(epsilon, delta=delta, epochs=epochs)
+    if json_output:
+        emit_json({**res, "target_epsilon": epsilon, "delta": delta, "epochs": epochs})
+        return
     console.print(
         f"DP-SGD digits: test accuracy {res['accuracy']:.3f}, epsilon spent {res['epsilon']:.3f} "
         f"at delta={delta:g} (noise multiplier {res['noise_multiplier']:.3f})"

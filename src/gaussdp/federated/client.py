@@ -156,7 +156,8 @@ class LocalGaussian(SetOnce):
         p = client_principal(client_id)
         if p not in self._clients:
             eps, dlt = self._budget
-            assert eps is not None and dlt is not None  # checked in __init__ when a ledger is given
+            if eps is None or dlt is None:  # checked in __init__ when a ledger is given
+                raise InvalidParameter("a LocalGaussian with a ledger needs epsilon and delta budgets")
             self._clients[p] = RoundLedger(
                 self._ledger, p, epsilon=eps, delta=dlt, accountant=self.accountant
             )

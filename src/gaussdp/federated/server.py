@@ -295,7 +295,8 @@ class DPFedAvg:
 
         out_dtype = u.dtype if u.dtype in (np.float32, np.float64) else np.dtype(np.float64)
         if self.robust is None:
-            assert total is not None
+            if total is None:
+                raise RuntimeError("DPFedAvg: no clipped sum was accumulated for a non-robust aggregate")
             agg = total.astype(out_dtype, copy=False)
             sens = c
         elif clipped is not None:

@@ -15,6 +15,10 @@ The neighbouring relation and what the guarantee covers are stated in
 
 from __future__ import annotations
 
+from gaussdp._extras import require_extra
+
+require_extra("torch", feature="gaussdp.inference")
+
 from gaussdp.inference._layers import find_last_block, resolve_layer
 from gaussdp.inference.backends import CKKSLoRABackend, LoRABackend, PlainLoRABackend
 from gaussdp.inference.diagnostics import (

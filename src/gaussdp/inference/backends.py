@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from gaussdp._extras import require_extra
 from gaussdp._validate import check_choice
 from gaussdp.errors import InvalidParameter, UnsafeInput
 
@@ -71,6 +72,7 @@ class CKKSLoRABackend:
         coeff_mod_bit_sizes: tuple[int, ...] = (60, 40, 40, 60),
         scale_bits: int = 40,
     ) -> None:
+        require_extra("he", feature="CKKSLoRABackend")
         import tenseal as ts
 
         check_choice("method", method, ("dot", "matmul"))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gaussdp._extras import require_extra
 from gaussdp.calibration import classical_sigma, epsilon_for, sigma_for
 from gaussdp.inference.diagnostics import SNRFigures, UtilityReport, analytic_snr, measure_snr, utility_report
 
@@ -72,6 +73,7 @@ def tiny_causal_lm(*, seed: int = 0) -> Any:
     next-token distribution is far from uniform and KL / agreement figures move visibly; the numbers
     illustrate the mechanics only. Pass a real checkpoint (``--model PATH``) for real figures.
     """
+    require_extra("hf", feature="the inference report's model")
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -117,6 +119,7 @@ def plot_privacy_utility(
     reports: Sequence[UtilityReport], path: str | Path, *, doc: Document000 | None = None
 ) -> Path:
     """Draw next-token agreement, KL and SNR against epsilon per token, one line per clip norm."""
+    require_extra("plot", feature="the inference report's plot")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -29,6 +29,11 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
 import numpy as np
+
+from gaussdp._extras import require_extra
+
+require_extra("service", feature="gaussdp.service")
+
 from fastapi import Depends, FastAPI, HTTPException, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse

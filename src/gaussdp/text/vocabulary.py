@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from gaussdp._extras import require_extra
 from gaussdp._validate import check_positive
 from gaussdp.errors import InvalidParameter, UnsafeInput
 
@@ -300,6 +301,7 @@ class Vocabulary:
         limit: int | None = None,
     ) -> Vocabulary:
         """From a word2vec text or binary file (gensim's reader; ``binary`` guessed from the suffix)."""
+        require_extra("text", feature="reading word2vec files")
         from gensim.models import KeyedVectors
 
         path = Path(path)
@@ -397,6 +399,7 @@ def train_word2vec(
     seed: int = 1,
 ) -> Vocabulary:
     """See :meth:`Vocabulary.train`."""
+    require_extra("text", feature="training word2vec")
     from gensim.models import Word2Vec
 
     from gaussdp.text.tokenize import words as tokenize_words

@@ -7,6 +7,10 @@ noise once per logical step; Poisson sampling tied to the accountant; epsilon af
 
 from __future__ import annotations
 
+from gaussdp._extras import require_extra
+
+require_extra("torch", feature="gaussdp.torch")
+
 from gaussdp.torch._clipper import PerSampleClipper
 from gaussdp.torch.data import BatchMemoryManager, DPDataLoader, PoissonBatchSampler, split_batch
 from gaussdp.torch.engine import DPLoss, PrivacyEngine

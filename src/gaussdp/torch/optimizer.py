@@ -370,7 +370,8 @@ class DPOptimizer(Optimizer):
 
     def _adapt_bound(self, count: float) -> None:
         a = self.adaptive
-        assert a is not None
+        if a is None:
+            raise RuntimeError("_adapt_bound called without clipping='adaptive'")
         fraction = count / self.expected_batch_size + 0.5
         c = self.clipper.max_grad_norm * math.exp(
             -a.clipbound_learning_rate * (fraction - a.target_unclipped_quantile)
