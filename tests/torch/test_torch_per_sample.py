@@ -473,28 +473,89 @@ def test_parent_using_its_childs_parameter_fails_closed():
         model(torch.randn(4, 3)).sum().backward()
 
 
-def test_conv1d_conv2d():
-    torch.manual_seed(0)
-    check(
-        nn.Sequential(nn.Conv1d(3, 4, 3, padding=1, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(16, 2)),
-        [torch.randn(6, 3, 8)],
-    )
-    check(
-        nn.Sequential(
-            nn.Conv2d(2, 3, (3, 2), padding=(1, 0), dilation=(1, 2), stride=(2, 1)),
-            nn.ReLU(),
-            nn.Flatten(),
-            nn.Linear(3 * 3 * 4, 2),
-        ),
-        [torch.randn(5, 2, 6, 6)],
-    )
+class Head(nn.Module):
+    """A convolution (or anything) followed by tanh and a linear read-out of all its outputs."""
+
+    def __init__(self, body, n_out):
+        super().__init__()
+        self.body, self.head = body, nn.LazyLinear(2)
+        self.n_out = n_out
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)).flatten(1))
 
 
-def test_grouped_conv_uses_vmap_fallback():
+def _conv_check(conv, x, monkeypatch=None, routes=None):
+    model = Head(conv, None)
+    with torch.no_grad():
+        model(x[:1])  # materialise the lazy read-out
+    return check(model, [x])
+
+
+CONVS = [
+    # (module, input shape)
+    (lambda: nn.Conv1d(3, 4, 3, padding=1, stride=2), (6, 3, 8)),
+    (lambda: nn.Conv1d(4, 6, 2, dilation=3, groups=2, bias=False), (5, 4, 11)),
+    (lambda: nn.Conv1d(2, 3, 4, padding="same", padding_mode="reflect"), (5, 2, 9)),
+    (lambda: nn.Conv2d(2, 3, (3, 2), padding=(1, 0), dilation=(1, 2), stride=(2, 1)), (5, 2, 6, 6)),
+    (lambda: nn.Conv2d(4, 4, 3, groups=2), (5, 4, 4, 4)),
+    (lambda: nn.Conv2d(6, 3, 3, groups=3, padding=2, padding_mode="circular"), (4, 6, 5, 5)),
+    (lambda: nn.Conv2d(3, 4, (2, 3), padding="same", dilation=2), (4, 3, 6, 7)),
+    (lambda: nn.Conv2d(2, 4, 1), (5, 2, 3, 3)),
+    (lambda: nn.Conv3d(2, 3, (2, 3, 2), stride=(1, 2, 1), padding=(1, 0, 1)), (4, 2, 4, 5, 3)),
+    (
+        lambda: nn.Conv3d(4, 4, 2, groups=4, dilation=(1, 2, 1), padding_mode="replicate", padding=1),
+        (3, 4, 3, 4, 3),
+    ),
+    (lambda: nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1), (5, 3, 6)),
+    (lambda: nn.ConvTranspose1d(4, 6, 3, groups=2, dilation=2), (4, 4, 5)),
+    (lambda: nn.ConvTranspose2d(2, 3, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2)), (4, 2, 4, 5)),
+    (lambda: nn.ConvTranspose2d(4, 2, 3, stride=2, groups=2, output_padding=1, bias=False), (4, 4, 3, 3)),
+    (lambda: nn.ConvTranspose3d(2, 3, 2, stride=(1, 2, 2), padding=(0, 1, 0)), (3, 2, 3, 3, 2)),
+]
+
+
+@pytest.mark.parametrize(("make", "shape"), CONVS, ids=[f"conv{i}" for i in range(len(CONVS))])
+@pytest.mark.parametrize("route", ["model", "gram", "materialise", "keep"])
+def test_convolutions_match_the_loop(monkeypatch, make, shape, route):
+    """Conv1d/2d/3d and ConvTranspose1d/2d/3d (stride, padding and padding modes, dilation, groups)
+    through each route of the cost model: norms by the Gram identity, from per-sample gradients
+    dropped after (sum by a weight-gradient convolution), or kept for the sum; in small chunks."""
+    from gaussdp.torch._parts import ConvPart
+
+    forced = {"gram": (True, False), "materialise": (False, False), "keep": (False, True)}
+    if route in forced:
+        monkeypatch.setattr(ConvPart, "route", lambda self: forced[route])
+        monkeypatch.setattr(ConvPart, "_CHUNK", 1)  # one sample per chunk: the chunk loop is tested
     torch.manual_seed(0)
-    check(
-        nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(16, 2)), [torch.randn(5, 4, 4, 4)]
-    )
+    _conv_check(make(), torch.randn(*shape))
+
+
+def test_conv_cost_model_routes():
+    """The cost model: per-sample gradients kept where no larger than input and gradient, else the
+    cheaper of the Gram identity and building them (many positions: build)."""
+    from gaussdp.torch._parts import ConvPart
+
+    def part(c_in, c_out, k, size):
+        x = torch.randn(2, c_in, size, size)
+        g = torch.randn(2, c_out, size - k + 1, size - k + 1)
+        w = torch.Size((c_out, c_in, k, k))
+        return ConvPart(x, g, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1)
+
+    assert part(3, 8, 3, 32).route() == (False, True)  # small weight: kept
+    assert part(64, 128, 3, 6).route() == (True, False)  # few positions, big weight: Gram
+    assert part(128, 128, 3, 16).route() == (False, False)  # many positions, big weight: built, dropped
+
+
+def test_conv_transpose_output_padding_beyond_stride_refused():
+    conv = nn.ConvTranspose1d(2, 2, 3, stride=1, dilation=3, output_padding=2)
+    model = Head(conv, None)
+    x = torch.randn(3, 2, 5)
+    with torch.no_grad():
+        model(x[:1])
+    PerSampleClipper(model, max_grad_norm=1.0)
+    with pytest.raises(UnsafeInput, match="output_padding"):
+        model(x).sum().backward()
 
 
 def test_norm_layers():

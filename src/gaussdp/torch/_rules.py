@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gaussdp.errors import UnsafeInput
 from gaussdp.torch._parts import (
+    ConvPart,
     DensePart,
     EmbeddingPart,
     LinearPart,
@@ -110,26 +111,62 @@ def _embedding_bag(module, args, kwargs, grads, owned):  # type: ignore[no-untyp
 
 
 def _conv(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
+    """``nn.Conv1d/2d/3d`` (any stride, padding, dilation, groups, padding mode): a
+    :class:`ConvPart` of the input and output gradient (the module's own padding applied first
+    where it is not symmetric zeros: ``padding="same"`` with an even kernel, or ``padding_mode``
+    reflect, replicate, circular)."""
     x, g = args[0], grads[0]
     if g is None:
         return []
-    if isinstance(module, nn.Conv1d):
-        x, g = x.unsqueeze(2), g.unsqueeze(2)
-        k, d, p, s = (
-            (1, *module.kernel_size),
-            (1, *module.dilation),
-            (0, *module.padding),
-            (1, *module.stride),
-        )
+    m: nn.modules.conv._ConvNd = module
+    nd = len(m.kernel_size)
+    if x.dim() == nd + 1:  # unbatched input: a batch of one
+        x, g = x.unsqueeze(0), g.unsqueeze(0)
+    if isinstance(m.padding, str) or m.padding_mode != "zeros":
+        mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+        x = F.pad(x, m._reversed_padding_repeated_twice, mode=mode)
+        padding: tuple = (0,) * nd
     else:
-        k, d, p, s = module.kernel_size, module.dilation, module.padding, module.stride
+        padding = tuple(m.padding)
     out: list[tuple[nn.Parameter, Part]] = []
-    g = g.flatten(2).transpose(1, 2)  # (B, L, out)
     if "weight" in owned:
-        cols = F.unfold(x, k, dilation=d, padding=p, stride=s).transpose(1, 2)  # (B, L, in*k)
-        out.append((owned["weight"], LinearPart(cols, g, module.weight.shape)))
+        part = ConvPart(
+            x, g, m.weight.shape, stride=m.stride, padding=padding, dilation=m.dilation, groups=m.groups
+        )
+        out.append((owned["weight"], part))
     if "bias" in owned:
-        out.append((owned["bias"], DensePart(g.sum(1), module.bias.shape)))
+        out.append((owned["bias"], DensePart(g.flatten(2).sum(2), m.bias.shape)))
+    return out
+
+
+def _conv_transpose(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
+    """``nn.ConvTranspose1d/2d/3d``: its weight gradient is that of the convolution it is the
+    adjoint of, which reads the output gradient (same stride, padding, dilation, groups) and whose
+    output gradient is the input, so a :class:`ConvPart` with the two roles swapped."""
+    x, g = args[0], grads[0]
+    if g is None:
+        return []
+    m: nn.modules.conv._ConvTransposeNd = module
+    nd = len(m.kernel_size)
+    if x.dim() == nd + 1:
+        x, g = x.unsqueeze(0), g.unsqueeze(0)
+    out: list[tuple[nn.Parameter, Part]] = []
+    if "weight" in owned:
+        part = ConvPart(
+            g, x, m.weight.shape, stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups
+        )
+        reads = [
+            (n + 2 * p - d * (k - 1) - 1) // s + 1
+            for n, k, s, p, d in zip(g.shape[2:], m.kernel_size, m.stride, m.padding, m.dilation, strict=True)
+        ]
+        if reads != list(x.shape[2:]):  # output_padding >= stride: positions the adjoint never reads
+            raise UnsafeInput(
+                f"{type(m).__name__} with output_padding={m.output_padding} >= stride={m.stride} "
+                "has no per-sample rule"
+            )
+        out.append((owned["weight"], part))
+    if "bias" in owned:
+        out.append((owned["bias"], DensePart(g.flatten(2).sum(2), m.bias.shape)))
     return out
 
 
@@ -598,10 +635,10 @@ def rule_for(module: nn.Module) -> Rule | None:
         if module.mode == "max" or module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
             return None
         return _embedding_bag
-    if isinstance(module, nn.Conv1d | nn.Conv2d):
-        if module.groups != 1 or isinstance(module.padding, str) or module.padding_mode != "zeros":
-            return None
+    if isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d):
         return _conv
+    if isinstance(module, nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d):
+        return _conv_transpose
     if isinstance(module, nn.LayerNorm | nn.RMSNorm):
         return _layer_norm
     if isinstance(module, nn.GroupNorm):
