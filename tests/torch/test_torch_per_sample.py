@@ -476,17 +476,16 @@ def test_parent_using_its_childs_parameter_fails_closed():
 class Head(nn.Module):
     """A convolution (or anything) followed by tanh and a linear read-out of all its outputs."""
 
-    def __init__(self, body, n_out):
+    def __init__(self, body):
         super().__init__()
         self.body, self.head = body, nn.LazyLinear(2)
-        self.n_out = n_out
 
     def forward(self, x):
         return self.head(torch.tanh(self.body(x)).flatten(1))
 
 
-def _conv_check(conv, x, monkeypatch=None, routes=None):
-    model = Head(conv, None)
+def _conv_check(conv, x):
+    model = Head(conv)
     with torch.no_grad():
         model(x[:1])  # materialise the lazy read-out
     return check(model, [x])
@@ -549,7 +548,7 @@ def test_conv_cost_model_routes():
 
 def test_conv_transpose_output_padding_beyond_stride_refused():
     conv = nn.ConvTranspose1d(2, 2, 3, stride=1, dilation=3, output_padding=2)
-    model = Head(conv, None)
+    model = Head(conv)
     x = torch.randn(3, 2, 5)
     with torch.no_grad():
         model(x[:1])
@@ -566,6 +565,125 @@ def test_norm_layers():
         nn.Sequential(nn.Conv2d(2, 4, 1), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(36, 2)),
         [torch.randn(5, 2, 3, 3)],
     )
+
+
+@pytest.mark.parametrize(
+    ("norm", "conv", "shape"),
+    [
+        (lambda: nn.InstanceNorm1d(4, affine=True), lambda: nn.Conv1d(2, 4, 2), (5, 2, 6)),
+        (lambda: nn.InstanceNorm2d(4, affine=True, eps=1e-3), lambda: nn.Conv2d(2, 4, 2), (5, 2, 4, 3)),
+        (lambda: nn.InstanceNorm3d(4, affine=True), lambda: nn.Conv3d(2, 4, 2), (4, 2, 3, 4, 3)),
+    ],
+)
+def test_instance_norm_affine(monkeypatch, norm, conv, shape):
+    import gaussdp.torch._clipper as clipper_mod
+
+    def no_vmap(*a, **k):
+        raise AssertionError("the closed-form rule was expected")
+
+    monkeypatch.setattr(clipper_mod, "vmap_parts", no_vmap)
+    torch.manual_seed(0)
+    _conv_check(nn.Sequential(conv(), norm()), torch.randn(*shape))
+
+
+class Scale(nn.Module):
+    """A custom layer: ``y = x * weight + shift`` elementwise over the last dimension."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+        self.shift = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return x * self.weight + self.shift
+
+
+def scale_rule(module, args, kwargs, grad_outputs):
+    x, g = args[0], grad_outputs[0]
+    b = x.shape[0]
+    return {
+        "weight": (x * g).reshape(b, -1, x.shape[-1]).sum(1),
+        "shift": g.reshape(b, -1, g.shape[-1]).sum(1),
+    }
+
+
+def test_registered_rule_for_a_custom_layer(monkeypatch):
+    """A custom layer's registered rule is used (not torch.func) and its per-sample gradients are
+    clipped and summed exactly; a subclass inherits it; removing it restores the fallback."""
+    import gaussdp.torch
+    import gaussdp.torch._clipper as clipper_mod
+
+    calls = []
+
+    def counted(module, args, kwargs, grad_outputs):
+        calls.append(type(module))
+        return scale_rule(module, args, kwargs, grad_outputs)
+
+    handle = gaussdp.torch.register_rule(Scale, counted)
+    try:
+        with monkeypatch.context() as mp:
+            mp.setattr(clipper_mod, "vmap_parts", None)  # would fail if called
+            torch.manual_seed(0)
+            check(nn.Sequential(nn.Linear(3, 4), Scale(4), nn.Tanh(), nn.Linear(4, 2)), [torch.randn(6, 3)])
+            check(nn.Sequential(Scale(3), nn.Linear(3, 2)), [torch.randn(5, 4, 3)])
+
+            class SubScale(Scale):
+                pass
+
+            check(nn.Sequential(SubScale(3), nn.Linear(3, 2)), [torch.randn(5, 3)])
+        assert Scale in calls and SubScale in calls
+        with pytest.raises(InvalidParameter, match="registered for Scale already"):
+            gaussdp.torch.register_rule(Scale, scale_rule)
+        gaussdp.torch.register_rule(Scale, scale_rule, replace=True)
+    finally:
+        handle.remove()  # the replacement is not this handle's: it stays
+    from gaussdp.torch._rules import _REGISTERED
+
+    assert _REGISTERED.get(Scale) is scale_rule
+    _REGISTERED.pop(Scale)
+    n = len(calls)
+    torch.manual_seed(0)
+    check(nn.Sequential(Scale(3), nn.Linear(3, 2)), [torch.randn(5, 3)])  # torch.func again
+    assert len(calls) == n
+
+
+def test_registered_rule_is_checked_and_takes_precedence():
+    import gaussdp.torch
+
+    with pytest.raises(TypeError, match="module_type"):
+        gaussdp.torch.register_rule(int, scale_rule)
+    with pytest.raises(TypeError, match="rule must be callable"):
+        gaussdp.torch.register_rule(Scale, 3)
+
+    def wrong(module, args, kwargs, grad_outputs):
+        return {"weight": scale_rule(module, args, kwargs, grad_outputs)["weight"]}  # no "shift"
+
+    handle = gaussdp.torch.register_rule(Scale, wrong)
+    try:
+        model = nn.Sequential(Scale(3), nn.Linear(3, 2))
+        PerSampleClipper(model, max_grad_norm=1.0)
+        with pytest.raises(UnsafeInput, match=r"gave nothing for its trainable parameter 'shift'"):
+            model(torch.randn(4, 3)).sum().backward()
+    finally:
+        handle.remove()
+
+    class Doubled(nn.Linear):
+        """A linear layer whose registered rule replaces the built-in one."""
+
+    seen = []
+
+    def linear_rule(module, args, kwargs, grad_outputs):
+        seen.append(module)
+        x, g = args[0], grad_outputs[0]
+        return {"weight": g.unsqueeze(2) * x.unsqueeze(1), "bias": g}
+
+    handle = gaussdp.torch.register_rule(Doubled, linear_rule)
+    try:
+        torch.manual_seed(0)
+        check(nn.Sequential(Doubled(3, 4), nn.Tanh(), nn.Linear(4, 2)), [torch.randn(5, 3)])
+        assert seen
+    finally:
+        handle.remove()
 
 
 class Attention(nn.Module):

@@ -2,12 +2,14 @@
 
 Per-sample gradients are clipped in the same backward pass that computes them, by hooks on the
 user's module (no wrapper); Linear, Embedding and convolution layers use ghost norms where cheaper;
+a custom layer can bring its own rule (:func:`register_rule`);
 noise once per logical step; Poisson sampling tied to the accountant; epsilon after every step.
 """
 
 from __future__ import annotations
 
 from gaussdp.torch._clipper import PerSampleClipper
+from gaussdp.torch._rules import RuleHandle, register_rule
 from gaussdp.torch.data import DPDataLoader, PoissonBatchSampler, split_batch
 from gaussdp.torch.engine import PrivacyEngine
 from gaussdp.torch.optimizer import DPOptimizer
@@ -21,6 +23,8 @@ __all__ = [
     "PerSampleClipper",
     "PoissonBatchSampler",
     "PrivacyEngine",
+    "RuleHandle",
     "UnsupportedModule",
+    "register_rule",
     "split_batch",
 ]

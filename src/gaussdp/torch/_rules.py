@@ -11,7 +11,7 @@ sample with ``torch.func`` and materialises that module's per-sample gradients.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from gaussdp.errors import UnsafeInput
+from gaussdp.errors import InvalidParameter, UnsafeInput
 from gaussdp.torch._parts import (
     ConvPart,
     DensePart,
@@ -31,7 +31,16 @@ from gaussdp.torch._parts import (
     same_elements,
 )
 
-__all__ = ["MHACapture", "Rule", "mha_capture", "mha_captured_parts", "owned_parameters", "rule_for"]
+__all__ = [
+    "MHACapture",
+    "Rule",
+    "RuleHandle",
+    "mha_capture",
+    "mha_captured_parts",
+    "owned_parameters",
+    "register_rule",
+    "rule_for",
+]
 
 Rule = Callable[[nn.Module, tuple, dict, list, dict], list[tuple[nn.Parameter, Part]]]
 
@@ -201,6 +210,23 @@ def _group_norm(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-
     x_hat = F.group_norm(x, module.num_groups, None, None, module.eps)
     b, c = x.shape[0], x.shape[1]
     # move channels last so the generic reshape sums over spatial positions
+    x_hat = x_hat.reshape(b, c, -1).transpose(1, 2)
+    g = g.reshape(b, c, -1).transpose(1, 2)
+    return _norm_parts(owned, x_hat, g, 1, torch.Size((c,)), torch.Size((c,)))
+
+
+def _instance_norm(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
+    """``nn.InstanceNorm1d/2d/3d`` (affine, without running statistics: the validator refuses
+    those): each sample's channels normalised by their own statistics, a GroupNorm of one channel
+    per group."""
+    x, g = args[0], grads[0]
+    if g is None:
+        return []
+    m: nn.modules.instancenorm._InstanceNorm = module
+    if x.dim() == m._get_no_batch_dim():  # unbatched input: a batch of one
+        x, g = x.unsqueeze(0), g.unsqueeze(0)
+    x_hat = F.instance_norm(x, None, None, None, None, True, 0.0, m.eps)
+    b, c = x.shape[0], x.shape[1]
     x_hat = x_hat.reshape(b, c, -1).transpose(1, 2)
     g = g.reshape(b, c, -1).transpose(1, 2)
     return _norm_parts(owned, x_hat, g, 1, torch.Size((c,)), torch.Size((c,)))
@@ -619,8 +645,107 @@ def _is_hf_conv1d(module: nn.Module) -> bool:
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
 
 
+PerSampleRule = Callable[[nn.Module, tuple, dict, list], Mapping[str, torch.Tensor]]
+
+# Rules registered for custom layers, by module class. Like the class itself, a registration is
+# code, the same for every model and tenant of the process (not state of a training run).
+_REGISTERED: dict[type, PerSampleRule] = {}
+
+
+class RuleHandle:
+    """What :func:`register_rule` returns: ``remove()`` takes the registration back."""
+
+    def __init__(self, module_type: type, rule: PerSampleRule) -> None:
+        self.module_type, self.rule = module_type, rule
+
+    def remove(self) -> None:
+        if _REGISTERED.get(self.module_type) is self.rule:
+            del _REGISTERED[self.module_type]
+
+
+def register_rule(module_type: type, rule: PerSampleRule, *, replace: bool = False) -> RuleHandle:
+    """Give a layer class its own per-sample gradient rule (else such layers use ``torch.func``).
+
+    ``rule(module, args, kwargs, grad_outputs)`` is called at the end of each backward pass, once
+    per forward call of a module of this class (subclasses included, unless they have their own
+    rule), with the call's positional and keyword inputs (detached) and ``grad_outputs``, the
+    gradients of the call's outputs flattened in ``torch.utils._pytree`` order (None for an output
+    backward did not reach). It returns, for each trainable parameter the module holds itself
+    (``module.named_parameters(recurse=False)``, by that name), the per-sample gradients
+    ``(B, *param.shape)``: sample ``i``'s gradient given the output gradients ``grad_outputs[..][i]``
+    (linear in them; with a mean loss they carry its ``1 / B``, which the clipper undoes). Those
+    are clipped and summed exactly like a built-in layer's; the guarantee then rests on the rule
+    being right (test it against a per-example loop, as ``tests/torch`` does for the built-in ones).
+    A registered rule takes precedence over a built-in one for the same class.
+
+    Args:
+        module_type: an ``nn.Module`` subclass.
+        rule: the function described above.
+        replace: allow replacing a rule already registered for ``module_type``.
+
+    Returns:
+        A handle whose ``remove()`` unregisters the rule.
+
+    Raises:
+        TypeError: ``module_type`` is not an ``nn.Module`` subclass or ``rule`` is not callable.
+        InvalidParameter: a rule is registered for ``module_type`` already and ``replace`` is False.
+
+    Example::
+
+        def scale_rule(module, args, kwargs, grad_outputs):   # y = x * weight, x of shape (B, d)
+            return {"weight": args[0] * grad_outputs[0]}
+
+        handle = gaussdp.torch.register_rule(Scale, scale_rule)
+    """
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"module_type must be an nn.Module subclass, got module_type={module_type!r}")
+    if not callable(rule):
+        raise TypeError(f"rule must be callable, got rule={rule!r}")
+    if module_type in _REGISTERED and not replace:
+        raise InvalidParameter(
+            f"a per-sample rule is registered for {module_type.__name__} already "
+            f"({_REGISTERED[module_type]!r}); pass replace=True to replace it"
+        )
+    _REGISTERED[module_type] = rule
+    return RuleHandle(module_type, rule)
+
+
+def _registered(module: nn.Module) -> Rule | None:
+    for cls in type(module).__mro__:
+        rule = _REGISTERED.get(cls)
+        if rule is not None:
+            return _custom(rule)
+    return None
+
+
+def _custom(rule: PerSampleRule) -> Rule:
+    """A registered rule as a built-in one: its per-sample gradients checked and made parts."""
+
+    def parts(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
+        if all(g is None for g in grads):
+            return []
+        b = next(g for g in grads if g is not None).shape[0]
+        given = rule(module, args, kwargs, list(grads))
+        out: list[tuple[nn.Parameter, Part]] = []
+        for name, p in owned.items():
+            ps = given.get(name) if isinstance(given, Mapping) else None
+            if not isinstance(ps, torch.Tensor) or tuple(ps.shape) != (b, *p.shape):
+                got = "nothing" if ps is None else f"{type(ps).__name__} {tuple(getattr(ps, 'shape', ()))}"
+                raise UnsafeInput(
+                    f"the rule registered for {type(module).__name__} gave {got} for its trainable "
+                    f"parameter {name!r}; per-sample gradients of shape {(b, *p.shape)} are needed"
+                )
+            out.append((p, DensePart(ps.detach(), p.shape)))
+        return out
+
+    return parts
+
+
 def rule_for(module: nn.Module) -> Rule | None:
-    """The closed-form rule for ``module``, or None for the vmap fallback."""
+    """The closed-form rule for ``module`` (a registered one first), or None for the vmap fallback."""
+    registered = _registered(module)
+    if registered is not None:
+        return registered
     if isinstance(module, nn.Linear) or _is_hf_conv1d(module):
         return _linear
     if isinstance(module, nn.Embedding):
@@ -643,6 +768,8 @@ def rule_for(module: nn.Module) -> Rule | None:
         return _layer_norm
     if isinstance(module, nn.GroupNorm):
         return _group_norm
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm) and not module.track_running_stats:
+        return _instance_norm
     if isinstance(module, nn.MultiheadAttention):
         if not module.batch_first:
             return _refuse_batch_second
