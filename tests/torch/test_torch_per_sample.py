@@ -515,16 +515,15 @@ CONVS = [
 
 
 @pytest.mark.parametrize(("make", "shape"), CONVS, ids=[f"conv{i}" for i in range(len(CONVS))])
-@pytest.mark.parametrize("route", ["model", "gram", "materialise", "keep"])
+@pytest.mark.parametrize("route", ["model", "gram", "input-gram", "build", "keep"])
 def test_convolutions_match_the_loop(monkeypatch, make, shape, route):
     """Conv1d/2d/3d and ConvTranspose1d/2d/3d (stride, padding and padding modes, dilation, groups)
     through each route of the cost model: norms by the Gram identity, from per-sample gradients
     dropped after (sum by a weight-gradient convolution), or kept for the sum; in small chunks."""
     from gaussdp.torch._parts import ConvPart
 
-    forced = {"gram": (True, False), "materialise": (False, False), "keep": (False, True)}
-    if route in forced:
-        monkeypatch.setattr(ConvPart, "route", lambda self: forced[route])
+    if route != "model":
+        monkeypatch.setattr(ConvPart, "route", lambda self: route)
         monkeypatch.setattr(ConvPart, "_CHUNK", 1)  # one sample per chunk: the chunk loop is tested
     torch.manual_seed(0)
     _conv_check(make(), torch.randn(*shape))
@@ -532,18 +531,19 @@ def test_convolutions_match_the_loop(monkeypatch, make, shape, route):
 
 def test_conv_cost_model_routes():
     """The cost model: per-sample gradients kept where no larger than input and gradient, else the
-    cheaper of the Gram identity and building them (many positions: build)."""
+    cheapest of the Gram identity on the patches or on the input, and building them."""
     from gaussdp.torch._parts import ConvPart
 
-    def part(c_in, c_out, k, size):
+    def part(c_in, c_out, k, size, stride=1):
         x = torch.randn(2, c_in, size, size)
-        g = torch.randn(2, c_out, size - k + 1, size - k + 1)
+        out = (size - k) // stride + 1
+        g = torch.randn(2, c_out, out, out)
         w = torch.Size((c_out, c_in, k, k))
-        return ConvPart(x, g, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1)
+        return ConvPart(x, g, w, stride=(stride, stride), padding=(0, 0), dilation=(1, 1), groups=1)
 
-    assert part(3, 8, 3, 32).route() == (False, True)  # small weight: kept
-    assert part(64, 128, 3, 6).route() == (True, False)  # few positions, big weight: Gram
-    assert part(128, 128, 3, 16).route() == (False, False)  # many positions, big weight: built, dropped
+    assert part(3, 8, 3, 32).route() == "keep"  # small weight: kept
+    assert part(64, 128, 3, 6).route() == "input-gram"  # few positions, big weight: Gram of the input
+    assert part(16, 32, 4, 13, stride=2).route() == "gram"  # stride 2: the input has 4x more positions
 
 
 def test_conv_transpose_output_padding_beyond_stride_refused():

@@ -11,6 +11,9 @@ Norms are accumulated in at least float32 whatever the input dtype (bf16 and fp1
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import torch
 
 from gaussdp.errors import UnsafeInput
@@ -281,7 +284,7 @@ class ConvPart:
     computes for the layer without DP, with ``w_i`` folded in: linear in each operand).
     """
 
-    _CHUNK = 1 << 18  # elements of a chunk's temporaries (patches, G or Grams): about 1 MiB in float32
+    _CHUNK = 1 << 20  # elements of a chunk's temporaries (patches, G or Grams): about 4 MiB in float32
 
     def __init__(
         self,
@@ -315,47 +318,65 @@ class ConvPart:
         t = self.b[0, 0].numel()
         return t, self.shape[1:].numel(), self.shape[0] // self.groups
 
-    def route(self) -> tuple[bool, bool]:
-        """Cost model (per sample and group): ``(gram, keep)``: norms by the Gram identity (else from
-        ``G_i``), and ``G`` kept for the sum (else the weight-gradient convolution at the end).
+    def _padded(self) -> int:
+        """Positions of the zero-padded input, per sample."""
+        return math.prod(n + 2 * p for n, p in zip(self.a.shape[2:], self.padding, strict=True))
 
-        Building ``G_i`` costs ``T P`` (``P = C_in k C_out / groups``, the parameters per group),
-        which is also the cost of the weight-gradient convolution; the Gram route costs
-        ``T^2 (C_in k + C_out) / groups``, three quarters of it from ``T = 16`` on (see
-        :func:`_ghost_sq_norms`). ``G`` is kept only where it is no larger than ``a`` and ``b``
-        (then the sum costs ``P`` instead of ``T P``); otherwise the cheaper route gives the norms.
+    def route(self) -> str:
+        """Cost model (per sample and group), the route of the norms and the sum:
+
+        - ``"keep"``: ``G_i`` built (cost ``T P``, ``P = C_in k C_out / groups`` parameters per
+          group, the cost of the weight-gradient convolution it replaces) and kept for the sum
+          (cost ``P``), where it is no larger than ``a`` and ``b`` together;
+        - otherwise the norms by the cheapest of: ``"build"`` (``G_i`` built, dropped), ``"gram"``
+          (Gram identity on the patches, ``T^2 (C_in k + C_out)``, three quarters of it from
+          ``T = 16`` on, see :func:`_ghost_sq_norms`), ``"input-gram"`` (the patches' Gram as the
+          sum over the ``k`` kernel offsets of shifted blocks of the padded input's Gram:
+          ``C_in S^2 + (k + C_out) T^2`` for ``S`` padded positions, no patch matrix at all); the
+          sum is then the weight-gradient convolution.
         """
         t, k, c = self._dims()
         per_group = k * c
-        keep = self.groups * per_group <= (self.a[0].numel() + self.b[0].numel())
-        if keep:
-            return False, True
-        gram = t * t * (k + c) * (0.75 if t >= 16 else 1.0)
-        return gram < t * per_group, False
+        if self.groups * per_group <= (self.a[0].numel() + self.b[0].numel()):
+            return "keep"
+        kk = math.prod(self.kernel)
+        costs = {
+            "build": t * per_group,
+            "gram": t * t * (k + c) * (0.75 if t >= 16 else 1.0) + t * k,
+            "input-gram": (k // kk) * self._padded() ** 2 + (kk + c) * t * t,
+        }
+        return min(costs, key=costs.__getitem__)
 
-    def _chunks(self, gram: bool) -> int:
+    def _chunks(self, route: str) -> int:
         t, k, c = self._dims()
-        per_sample = self.groups * (k * t + (t * t if gram else k * c))
-        return max(1, self._CHUNK // max(1, per_sample))
+        per_sample = {
+            "keep": k * t + k * c,
+            "build": k * t + k * c,
+            "gram": k * t + 2 * t * t,
+            "input-gram": self._padded() ** 2 + 2 * t * t,
+        }[route]
+        return max(1, self._CHUNK // max(1, self.groups * per_sample))
 
     def sq_norms(self) -> torch.Tensor:
         if self._sq is not None:
             return self._sq
-        gram, keep = self.route()
+        route = self.route()
         a, b = _acc(self.a), _acc(self.b)
         n, g = a.shape[0], self.groups
         t, k, c = self._dims()
-        step = self._chunks(gram)
+        step = self._chunks(route)
         sq = torch.empty(n, dtype=a.dtype, device=a.device)
-        ps = torch.empty(n, *self.shape, dtype=a.dtype, device=a.device) if keep else None
+        ps = torch.empty(n, *self.shape, dtype=a.dtype, device=a.device) if route == "keep" else None
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             m = hi - lo
-            # (m G, C_in k / G, T) patches; (m G, C_out / G, T) gradients
+            grads = b[lo:hi].reshape(m * g, c, t)  # (m G, C_out / G, T)
+            if route == "input-gram":
+                sq[lo:hi] = self._input_gram_sq(a[lo:hi], grads).view(m, g).sum(1)
+                continue
             cols = unfold(a[lo:hi], self.kernel, self.stride, self.padding, self.dilation)
-            cols = cols.reshape(m * g, k, t)
-            grads = b[lo:hi].reshape(m * g, c, t)
-            if gram:
+            cols = cols.reshape(m * g, k, t)  # (m G, C_in k / G, T) patches
+            if route == "gram":
                 sq[lo:hi] = _ghost_sq_norms(cols.transpose(1, 2), [grads.transpose(1, 2)]).view(m, g).sum(1)
             else:
                 out = None if ps is None else ps[lo:hi].view(m * g, c, k)
@@ -365,6 +386,33 @@ class ConvPart:
         if ps is not None:  # the sum needs only G: the input and gradient are let go now
             self._ps, self.a, self.b = ps, None, None  # type: ignore[assignment]
         return sq
+
+    def _input_gram_sq(self, a: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+        """``<A^T A, B^T B>`` per (sample, group) with ``A^T A`` from the padded input's Gram
+        ``X^T X`` (``S x S``): ``(A^T A)[t, u] = sum_o (X^T X)[t s + o d, u s + o d]`` over the
+        kernel offsets ``o`` (a patch entry is the input at position ``t s + o d``)."""
+        if any(self.padding):
+            a = torch.nn.functional.pad(a, [q for p in reversed(self.padding) for q in (p, p)])
+        mg, nd = grads.shape[0], len(self.kernel)
+        size = a.shape[2:]
+        x = a.reshape(mg, -1, math.prod(size))
+        gx = torch.bmm(x.transpose(1, 2), x)  # (m G, S, S), seen as (m G, *size, *size)
+        out = list(self.b.shape[2:])
+        st = [math.prod(size[d + 1 :]) for d in range(nd)]  # strides of one position index
+        sizes = (mg, *out, *out)
+        strides = (
+            gx.stride(0),
+            *(st[d] * self.stride[d] * len(x[0, 0]) for d in range(nd)),
+            *(st[d] * self.stride[d] for d in range(nd)),
+        )
+        acc = None
+        for o in itertools.product(*(range(k) for k in self.kernel)):
+            shift = sum(o[d] * self.dilation[d] * st[d] for d in range(nd))
+            block = gx.as_strided(sizes, strides, gx.storage_offset() + shift * (len(x[0, 0]) + 1))
+            acc = block.clone() if acc is None else acc.add_(block)
+        assert acc is not None
+        gg = torch.bmm(grads.transpose(1, 2), grads)  # (m G, T, T)
+        return (acc.view_as(gg) * gg).flatten(1).sum(1)
 
     def weighted_sum(self, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``sum_i w_i G_i``; added in place into ``out`` when given (and ``out`` returned)."""
