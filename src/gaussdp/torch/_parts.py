@@ -355,7 +355,10 @@ class ConvPart:
             "gram": k * t + 2 * t * t,
             "input-gram": self._padded() ** 2 + 2 * t * t,
         }[route]
-        return max(1, self._CHUNK // max(1, self.groups * per_sample))
+        # temporaries of at most a quarter of what the layer keeps anyway (its input and output
+        # gradient), so a small layer's chunks do not set a small model's peak memory
+        budget = min(self._CHUNK, max(1 << 16, (self.a.numel() + self.b.numel()) // 4))
+        return max(1, budget // max(1, self.groups * per_sample))
 
     def sq_norms(self) -> torch.Tensor:
         if self._sq is not None:
