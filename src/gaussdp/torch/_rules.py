@@ -203,16 +203,28 @@ def _layer_norm(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-
     return _norm_parts(owned, x_hat, g, len(shape), torch.Size(shape), torch.Size(shape))
 
 
+def _channel_parts(owned, x_hat, g, c):  # type: ignore[no-untyped-def]
+    """Per-sample gradients of a per-channel affine ``y = w_c * x_hat + b_c`` over ``(B, C, *)``:
+    sums over each sample's positions, reduced along the contiguous last axis; ``x_hat`` is a fresh
+    tensor of the rule's own and takes the product in place (no second temporary)."""
+    out: list[tuple[nn.Parameter, Part]] = []
+    b = g.shape[0]
+    dtype = acc_dtype(g.dtype)
+    g = g.reshape(b, c, -1)
+    if "weight" in owned:
+        ps = x_hat.to(g.dtype).reshape(b, c, -1).mul_(g).sum(2, dtype=dtype)
+        out.append((owned["weight"], DensePart(ps, torch.Size((c,)))))
+    if "bias" in owned:
+        out.append((owned["bias"], DensePart(g.sum(2, dtype=dtype), torch.Size((c,)))))
+    return out
+
+
 def _group_norm(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
     x, g = args[0], grads[0]
     if g is None:
         return []
-    x_hat = F.group_norm(x, module.num_groups, None, None, module.eps)
-    b, c = x.shape[0], x.shape[1]
-    # move channels last so the generic reshape sums over spatial positions
-    x_hat = x_hat.reshape(b, c, -1).transpose(1, 2)
-    g = g.reshape(b, c, -1).transpose(1, 2)
-    return _norm_parts(owned, x_hat, g, 1, torch.Size((c,)), torch.Size((c,)))
+    x_hat = F.group_norm(x, module.num_groups, None, None, module.eps) if "weight" in owned else None
+    return _channel_parts(owned, x_hat, g, x.shape[1])
 
 
 def _instance_norm(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
@@ -225,11 +237,8 @@ def _instance_norm(module, args, kwargs, grads, owned):  # type: ignore[no-untyp
     m: nn.modules.instancenorm._InstanceNorm = module
     if x.dim() == m._get_no_batch_dim():  # unbatched input: a batch of one
         x, g = x.unsqueeze(0), g.unsqueeze(0)
-    x_hat = F.instance_norm(x, None, None, None, None, True, 0.0, m.eps)
-    b, c = x.shape[0], x.shape[1]
-    x_hat = x_hat.reshape(b, c, -1).transpose(1, 2)
-    g = g.reshape(b, c, -1).transpose(1, 2)
-    return _norm_parts(owned, x_hat, g, 1, torch.Size((c,)), torch.Size((c,)))
+    x_hat = F.instance_norm(x, None, None, None, None, True, 0.0, m.eps) if "weight" in owned else None
+    return _channel_parts(owned, x_hat, g, x.shape[1])
 
 
 def vmap_parts(module, args, kwargs, grads, owned, disabled):  # type: ignore[no-untyped-def]
