@@ -32,7 +32,7 @@ tensor in ``embedding_norm_sample``); gaussdp handles both (tested).
 shown for its memory. Opacus cannot run ``nn.MultiheadAttention`` as is: its rows use
 ``ModuleValidator.fix`` (its own ``DPMultiheadAttention``), the other rows the original module.
 
-Run: ``.venv/bin/python benchmarks/bench_dpsgd.py [--reps 15] [--only a,b,c]``
+Run: ``.venv/bin/python benchmarks/bench_dpsgd.py [--reps 15] [--only a,b,c,d,e,f,g]``
 """
 
 from __future__ import annotations

@@ -1062,3 +1062,28 @@ def test_per_layer_bounds_refused_when_wrong():
         PerSampleClipper(model, max_grad_norm=1.0, clipping="per_sample")
     shared = PerSampleClipper(model, max_grad_norm=2.0, clipping="per_layer")
     assert shared.max_grad_norm == pytest.approx(2.0)  # C / sqrt(2) for each of the two parameters
+
+
+def test_first_layer_output_joins_the_graph_in_place_only_when_fresh():
+    """A first layer's output that needs no gradient is made to need one in place (no copy) when it
+    is a fresh tensor; a view of the input is left alone (a copy joins the graph instead)."""
+
+    class Narrow(nn.Module):  # owns a parameter its output does not depend on: a view of the input
+        def __init__(self):
+            super().__init__()
+            self.unused = nn.Parameter(torch.zeros(2))
+
+        def forward(self, x):
+            return x.narrow(1, 0, 2)
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 3)
+    model = nn.Sequential(Narrow(), nn.Linear(2, 2))
+    PerSampleClipper(model, max_grad_norm=1.0)
+    version = x._version
+    model(x).sum().backward()
+    assert x._version == version  # the input was not marked as modified
+    conv = nn.Conv1d(2, 3, 2)
+    PerSampleClipper(conv, max_grad_norm=1.0)
+    y = conv(torch.randn(4, 2, 5))
+    assert y.grad_fn is not None and type(y.grad_fn).__name__ == "_TapBackward"
