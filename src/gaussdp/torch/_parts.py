@@ -356,8 +356,9 @@ class ConvPart:
             "input-gram": self._padded() ** 2 + 2 * t * t,
         }[route]
         # temporaries of at most a quarter of what the layer keeps anyway (its input and output
-        # gradient), so a small layer's chunks do not set a small model's peak memory
-        budget = min(self._CHUNK, max(1 << 16, (self.a.numel() + self.b.numel()) // 4))
+        # gradient), so a small layer's chunks do not set a small model's peak memory, but at least
+        # 1 MiB: fewer, larger calls (mnist CNN, bench_dpsgd (d): 1.43x -> 1.29x plain, same peak)
+        budget = min(self._CHUNK, max(1 << 18, (self.a.numel() + self.b.numel()) // 4))
         return max(1, budget // max(1, self.groups * per_sample))
 
     def sq_norms(self) -> torch.Tensor:
