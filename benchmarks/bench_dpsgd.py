@@ -2,7 +2,14 @@
 
 Cases: (a) MLP 784-512-512-10, batch 256; (b) 2-layer ``nn.TransformerEncoder`` (d=256, 8 heads,
 feed-forward 1024, seq 64, batch 32) on token ids with an embedding and a classification head;
-(c) the same with LoRA (r=8) adapters on the feed-forward layers as the only trainable parameters.
+(c) the same with LoRA (r=8) adapters on the feed-forward layers as the only trainable parameters;
+(d) Opacus's ``examples/mnist.py`` CNN (``SampleConvNet``), batch 64 of 1x28x28;
+(e) Opacus's ``examples/cifar10.py`` CNN (``convnet``), batch 128 of 3x32x32;
+(f) the same with a ``GroupNorm(min(32, C), C)`` after each convolution (what ``ModuleValidator.fix``
+makes of a BatchNorm there);
+(g) Opacus's ``examples/char-lstm-classification.py`` classifier with its ``DPLSTM`` (embedding 64,
+hidden 128, 18 classes), its default batch 800, names padded to 16 characters. Plain PyTorch runs
+the same ``DPLSTM`` (its own unfused recurrence).
 
 Step = forward + backward + optimizer step (+ zero_grad), on the same fixed batch for every method.
 Time: median over interleaved repetitions of a block of consecutive steps per method (the methods
@@ -25,7 +32,7 @@ tensor in ``embedding_norm_sample``); gaussdp handles both (tested).
 shown for its memory. Opacus cannot run ``nn.MultiheadAttention`` as is: its rows use
 ``ModuleValidator.fix`` (its own ``DPMultiheadAttention``), the other rows the original module.
 
-Run: ``.venv/bin/python benchmarks/bench_dpsgd.py [--reps 15] [--only a,b,c]``
+Run: ``.venv/bin/python benchmarks/bench_dpsgd.py [--reps 15] [--only a,b,c,d,e,f,g]``
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from typing import Any
 os.environ.setdefault("KINETO_LOG_LEVEL", "99")  # the profiler's start/stop lines (allocator_peak_bytes)
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -79,8 +87,62 @@ class Encoder(nn.Module):
         return self.head(self.encoder(self.emb(idx) + self.pos(pos)).mean(1))
 
 
+class SampleConvNet(nn.Module):
+    """Opacus's ``examples/mnist.py`` model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 8, 2, padding=3)
+        self.conv2 = nn.Conv2d(16, 32, 4, 2)
+        self.fc1 = nn.Linear(32 * 4 * 4, 32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))  # -> [B, 16, 14, 14]
+        x = F.max_pool2d(x, 2, 1)  # -> [B, 16, 13, 13]
+        x = F.relu(self.conv2(x))  # -> [B, 32, 5, 5]
+        x = F.max_pool2d(x, 2, 1)  # -> [B, 32, 4, 4]
+        x = x.view(-1, 32 * 4 * 4)  # -> [B, 512]
+        x = F.relu(self.fc1(x))  # -> [B, 32]
+        return self.fc2(x)  # -> [B, 10]
+
+
+def cifar10_convnet(group_norm: bool = False) -> nn.Module:
+    """Opacus's ``examples/cifar10.py`` ``convnet(10)``; with a GroupNorm after each convolution."""
+    layers: list[nn.Module] = []
+    for i, (c_in, c_out) in enumerate(((3, 32), (32, 64), (64, 64), (64, 128))):
+        layers.append(nn.Conv2d(c_in, c_out, kernel_size=3, stride=1, padding=1))
+        if group_norm:
+            layers.append(nn.GroupNorm(min(32, c_out), c_out))
+        layers.append(nn.ReLU())
+        layers.append(nn.AvgPool2d(kernel_size=2, stride=2) if i < 3 else nn.AdaptiveAvgPool2d((1, 1)))
+    return nn.Sequential(*layers, nn.Flatten(start_dim=1, end_dim=-1), nn.Linear(128, 10, bias=True))
+
+
+class CharNNClassifier(nn.Module):
+    """Opacus's ``examples/char-lstm-classification.py`` model with its ``DPLSTM``."""
+
+    def __init__(self, embedding_size: int = 64, hidden_size: int = 128, output_size: int = 18) -> None:
+        super().__init__()
+        from opacus.layers import DPLSTM
+
+        self.embedding = nn.Embedding(256 + 3, embedding_size)
+        self.rnn = DPLSTM(embedding_size, hidden_size, num_layers=1, batch_first=True)
+        self.out_layer = nn.Linear(hidden_size, output_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, _ = self.rnn(self.embedding(x))  # -> [B, T, H]
+        return self.out_layer(x[:, -1, :])
+
+
 def make_case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
+    if name == "d":
+        return SampleConvNet(), torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+    if name in ("e", "f"):
+        return cifar10_convnet(name == "f"), torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,))
+    if name == "g":
+        return CharNNClassifier(), torch.randint(0, 259, (800, 16)), torch.randint(0, 18, (800,))
     if name == "a":
         model: nn.Module = nn.Sequential(
             nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
@@ -251,7 +313,7 @@ def allocator_peak_bytes(method: str, case: str) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--only", default="a,b,c")
+    ap.add_argument("--only", default="a,b,c,d,e,f,g")
     ap.add_argument("--methods", default="plain,gaussdp,gaussdp-per-layer,opacus-ghost,opacus-hooks")
     ap.add_argument("--block", type=int, default=8, help="consecutive steps per timed block")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU time is meaningful)")
@@ -290,7 +352,8 @@ def main() -> None:
             print(
                 f"{m:<18}{t * 1e3:>9.1f}{t / base_t:>7.2f}x{c * 1e3:>9.1f}{c / base_c:>7.2f}x"
                 f"{mem[m] / 2**20:>10.1f}{mem[m] / base_m:>7.2f}x"
-                f"{alloc[m] / 2**20:>11.1f}{alloc[m] / base_a:>7.2f}x"
+                f"{alloc[m] / 2**20:>11.1f}{alloc[m] / base_a:>7.2f}x",
+                flush=True,
             )
 
 

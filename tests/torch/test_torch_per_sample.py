@@ -473,28 +473,88 @@ def test_parent_using_its_childs_parameter_fails_closed():
         model(torch.randn(4, 3)).sum().backward()
 
 
-def test_conv1d_conv2d():
-    torch.manual_seed(0)
-    check(
-        nn.Sequential(nn.Conv1d(3, 4, 3, padding=1, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(16, 2)),
-        [torch.randn(6, 3, 8)],
-    )
-    check(
-        nn.Sequential(
-            nn.Conv2d(2, 3, (3, 2), padding=(1, 0), dilation=(1, 2), stride=(2, 1)),
-            nn.ReLU(),
-            nn.Flatten(),
-            nn.Linear(3 * 3 * 4, 2),
-        ),
-        [torch.randn(5, 2, 6, 6)],
-    )
+class Head(nn.Module):
+    """A convolution (or anything) followed by tanh and a linear read-out of all its outputs."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body, self.head = body, nn.LazyLinear(2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)).flatten(1))
 
 
-def test_grouped_conv_uses_vmap_fallback():
+def _conv_check(conv, x):
+    model = Head(conv)
+    with torch.no_grad():
+        model(x[:1])  # materialise the lazy read-out
+    return check(model, [x])
+
+
+CONVS = [
+    # (module, input shape)
+    (lambda: nn.Conv1d(3, 4, 3, padding=1, stride=2), (6, 3, 8)),
+    (lambda: nn.Conv1d(4, 6, 2, dilation=3, groups=2, bias=False), (5, 4, 11)),
+    (lambda: nn.Conv1d(2, 3, 4, padding="same", padding_mode="reflect"), (5, 2, 9)),
+    (lambda: nn.Conv2d(2, 3, (3, 2), padding=(1, 0), dilation=(1, 2), stride=(2, 1)), (5, 2, 6, 6)),
+    (lambda: nn.Conv2d(4, 4, 3, groups=2), (5, 4, 4, 4)),
+    (lambda: nn.Conv2d(6, 3, 3, groups=3, padding=2, padding_mode="circular"), (4, 6, 5, 5)),
+    (lambda: nn.Conv2d(3, 4, (2, 3), padding="same", dilation=2), (4, 3, 6, 7)),
+    (lambda: nn.Conv2d(2, 4, 1), (5, 2, 3, 3)),
+    (lambda: nn.Conv3d(2, 3, (2, 3, 2), stride=(1, 2, 1), padding=(1, 0, 1)), (4, 2, 4, 5, 3)),
+    (
+        lambda: nn.Conv3d(4, 4, 2, groups=4, dilation=(1, 2, 1), padding_mode="replicate", padding=1),
+        (3, 4, 3, 4, 3),
+    ),
+    (lambda: nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1), (5, 3, 6)),
+    (lambda: nn.ConvTranspose1d(4, 6, 3, groups=2, dilation=2), (4, 4, 5)),
+    (lambda: nn.ConvTranspose2d(2, 3, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2)), (4, 2, 4, 5)),
+    (lambda: nn.ConvTranspose2d(4, 2, 3, stride=2, groups=2, output_padding=1, bias=False), (4, 4, 3, 3)),
+    (lambda: nn.ConvTranspose3d(2, 3, 2, stride=(1, 2, 2), padding=(0, 1, 0)), (3, 2, 3, 3, 2)),
+]
+
+
+@pytest.mark.parametrize(("make", "shape"), CONVS, ids=[f"conv{i}" for i in range(len(CONVS))])
+@pytest.mark.parametrize("route", ["model", "gram", "input-gram", "build", "keep"])
+def test_convolutions_match_the_loop(monkeypatch, make, shape, route):
+    """Conv1d/2d/3d and ConvTranspose1d/2d/3d (stride, padding and padding modes, dilation, groups)
+    through each route of the cost model: norms by the Gram identity, from per-sample gradients
+    dropped after (sum by a weight-gradient convolution), or kept for the sum; in small chunks."""
+    from gaussdp.torch._parts import ConvPart
+
+    if route != "model":
+        monkeypatch.setattr(ConvPart, "route", lambda self: route)
+        monkeypatch.setattr(ConvPart, "_CHUNK", 1)  # one sample per chunk: the chunk loop is tested
     torch.manual_seed(0)
-    check(
-        nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(16, 2)), [torch.randn(5, 4, 4, 4)]
-    )
+    _conv_check(make(), torch.randn(*shape))
+
+
+def test_conv_cost_model_routes():
+    """The cost model: per-sample gradients kept where no larger than input and gradient, else the
+    cheapest of the Gram identity on the patches or on the input, and building them."""
+    from gaussdp.torch._parts import ConvPart
+
+    def part(c_in, c_out, k, size, stride=1):
+        x = torch.randn(2, c_in, size, size)
+        out = (size - k) // stride + 1
+        g = torch.randn(2, c_out, out, out)
+        w = torch.Size((c_out, c_in, k, k))
+        return ConvPart(x, g, w, stride=(stride, stride), padding=(0, 0), dilation=(1, 1), groups=1)
+
+    assert part(3, 8, 3, 32).route() == "keep"  # small weight: kept
+    assert part(64, 128, 3, 6).route() == "input-gram"  # few positions, big weight: Gram of the input
+    assert part(16, 32, 4, 13, stride=2).route() == "gram"  # stride 2: the input has 4x more positions
+
+
+def test_conv_transpose_output_padding_beyond_stride_refused():
+    conv = nn.ConvTranspose1d(2, 2, 3, stride=1, dilation=3, output_padding=2)
+    model = Head(conv)
+    x = torch.randn(3, 2, 5)
+    with torch.no_grad():
+        model(x[:1])
+    PerSampleClipper(model, max_grad_norm=1.0)
+    with pytest.raises(UnsafeInput, match="output_padding"):
+        model(x).sum().backward()
 
 
 def test_norm_layers():
@@ -505,6 +565,125 @@ def test_norm_layers():
         nn.Sequential(nn.Conv2d(2, 4, 1), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(36, 2)),
         [torch.randn(5, 2, 3, 3)],
     )
+
+
+@pytest.mark.parametrize(
+    ("norm", "conv", "shape"),
+    [
+        (lambda: nn.InstanceNorm1d(4, affine=True), lambda: nn.Conv1d(2, 4, 2), (5, 2, 6)),
+        (lambda: nn.InstanceNorm2d(4, affine=True, eps=1e-3), lambda: nn.Conv2d(2, 4, 2), (5, 2, 4, 3)),
+        (lambda: nn.InstanceNorm3d(4, affine=True), lambda: nn.Conv3d(2, 4, 2), (4, 2, 3, 4, 3)),
+    ],
+)
+def test_instance_norm_affine(monkeypatch, norm, conv, shape):
+    import gaussdp.torch._clipper as clipper_mod
+
+    def no_vmap(*a, **k):
+        raise AssertionError("the closed-form rule was expected")
+
+    monkeypatch.setattr(clipper_mod, "vmap_parts", no_vmap)
+    torch.manual_seed(0)
+    _conv_check(nn.Sequential(conv(), norm()), torch.randn(*shape))
+
+
+class Scale(nn.Module):
+    """A custom layer: ``y = x * weight + shift`` elementwise over the last dimension."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+        self.shift = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return x * self.weight + self.shift
+
+
+def scale_rule(module, args, kwargs, grad_outputs):
+    x, g = args[0], grad_outputs[0]
+    b = x.shape[0]
+    return {
+        "weight": (x * g).reshape(b, -1, x.shape[-1]).sum(1),
+        "shift": g.reshape(b, -1, g.shape[-1]).sum(1),
+    }
+
+
+def test_registered_rule_for_a_custom_layer(monkeypatch):
+    """A custom layer's registered rule is used (not torch.func) and its per-sample gradients are
+    clipped and summed exactly; a subclass inherits it; removing it restores the fallback."""
+    import gaussdp.torch
+    import gaussdp.torch._clipper as clipper_mod
+
+    calls = []
+
+    def counted(module, args, kwargs, grad_outputs):
+        calls.append(type(module))
+        return scale_rule(module, args, kwargs, grad_outputs)
+
+    handle = gaussdp.torch.register_rule(Scale, counted)
+    try:
+        with monkeypatch.context() as mp:
+            mp.setattr(clipper_mod, "vmap_parts", None)  # would fail if called
+            torch.manual_seed(0)
+            check(nn.Sequential(nn.Linear(3, 4), Scale(4), nn.Tanh(), nn.Linear(4, 2)), [torch.randn(6, 3)])
+            check(nn.Sequential(Scale(3), nn.Linear(3, 2)), [torch.randn(5, 4, 3)])
+
+            class SubScale(Scale):
+                pass
+
+            check(nn.Sequential(SubScale(3), nn.Linear(3, 2)), [torch.randn(5, 3)])
+        assert Scale in calls and SubScale in calls
+        with pytest.raises(InvalidParameter, match="registered for Scale already"):
+            gaussdp.torch.register_rule(Scale, scale_rule)
+        gaussdp.torch.register_rule(Scale, scale_rule, replace=True)
+    finally:
+        handle.remove()  # the replacement is not this handle's: it stays
+    from gaussdp.torch._rules import _REGISTERED
+
+    assert _REGISTERED.get(Scale) is scale_rule
+    _REGISTERED.pop(Scale)
+    n = len(calls)
+    torch.manual_seed(0)
+    check(nn.Sequential(Scale(3), nn.Linear(3, 2)), [torch.randn(5, 3)])  # torch.func again
+    assert len(calls) == n
+
+
+def test_registered_rule_is_checked_and_takes_precedence():
+    import gaussdp.torch
+
+    with pytest.raises(TypeError, match="module_type"):
+        gaussdp.torch.register_rule(int, scale_rule)
+    with pytest.raises(TypeError, match="rule must be callable"):
+        gaussdp.torch.register_rule(Scale, 3)
+
+    def wrong(module, args, kwargs, grad_outputs):
+        return {"weight": scale_rule(module, args, kwargs, grad_outputs)["weight"]}  # no "shift"
+
+    handle = gaussdp.torch.register_rule(Scale, wrong)
+    try:
+        model = nn.Sequential(Scale(3), nn.Linear(3, 2))
+        PerSampleClipper(model, max_grad_norm=1.0)
+        with pytest.raises(UnsafeInput, match=r"gave nothing for its trainable parameter 'shift'"):
+            model(torch.randn(4, 3)).sum().backward()
+    finally:
+        handle.remove()
+
+    class Doubled(nn.Linear):
+        """A linear layer whose registered rule replaces the built-in one."""
+
+    seen = []
+
+    def linear_rule(module, args, kwargs, grad_outputs):
+        seen.append(module)
+        x, g = args[0], grad_outputs[0]
+        return {"weight": g.unsqueeze(2) * x.unsqueeze(1), "bias": g}
+
+    handle = gaussdp.torch.register_rule(Doubled, linear_rule)
+    try:
+        torch.manual_seed(0)
+        check(nn.Sequential(Doubled(3, 4), nn.Tanh(), nn.Linear(4, 2)), [torch.randn(5, 3)])
+        assert seen
+    finally:
+        handle.remove()
 
 
 class Attention(nn.Module):
@@ -883,3 +1062,28 @@ def test_per_layer_bounds_refused_when_wrong():
         PerSampleClipper(model, max_grad_norm=1.0, clipping="per_sample")
     shared = PerSampleClipper(model, max_grad_norm=2.0, clipping="per_layer")
     assert shared.max_grad_norm == pytest.approx(2.0)  # C / sqrt(2) for each of the two parameters
+
+
+def test_first_layer_output_joins_the_graph_in_place_only_when_fresh():
+    """A first layer's output that needs no gradient is made to need one in place (no copy) when it
+    is a fresh tensor; a view of the input is left alone (a copy joins the graph instead)."""
+
+    class Narrow(nn.Module):  # owns a parameter its output does not depend on: a view of the input
+        def __init__(self):
+            super().__init__()
+            self.unused = nn.Parameter(torch.zeros(2))
+
+        def forward(self, x):
+            return x.narrow(1, 0, 2)
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 3)
+    model = nn.Sequential(Narrow(), nn.Linear(2, 2))
+    PerSampleClipper(model, max_grad_norm=1.0)
+    version = x._version
+    model(x).sum().backward()
+    assert x._version == version  # the input was not marked as modified
+    conv = nn.Conv1d(2, 3, 2)
+    PerSampleClipper(conv, max_grad_norm=1.0)
+    y = conv(torch.randn(4, 2, 5))
+    assert y.grad_fn is not None and type(y.grad_fn).__name__ == "_TapBackward"

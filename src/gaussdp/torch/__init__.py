@@ -2,6 +2,7 @@
 
 Per-sample gradients are clipped in the same backward pass that computes them, by hooks on the
 user's module (no wrapper); Linear, Embedding and convolution layers use ghost norms where cheaper;
+a custom layer can bring its own rule (:func:`register_rule`);
 noise once per logical step; Poisson sampling tied to the accountant; epsilon after every step.
 """
 
@@ -12,6 +13,7 @@ from gaussdp._extras import require_extra
 require_extra("torch", feature="gaussdp.torch")
 
 from gaussdp.torch._clipper import PerSampleClipper
+from gaussdp.torch._rules import RuleHandle, register_rule
 from gaussdp.torch.data import BatchMemoryManager, DPDataLoader, PoissonBatchSampler, split_batch
 from gaussdp.torch.engine import DPLoss, PrivacyEngine
 from gaussdp.torch.optimizer import DPOptimizer
@@ -27,6 +29,8 @@ __all__ = [
     "PerSampleClipper",
     "PoissonBatchSampler",
     "PrivacyEngine",
+    "RuleHandle",
     "UnsupportedModule",
+    "register_rule",
     "split_batch",
 ]

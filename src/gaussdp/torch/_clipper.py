@@ -93,6 +93,34 @@ class _Call:
             )
 
 
+class _Tap(torch.autograd.Function):
+    """``x`` itself, made part of the graph: its gradient passes through unchanged, the anchor's is
+    None. No copy and no pass over ``x`` in either direction (``x + anchor`` costs one of each, a
+    copy of the first layer's output and a reduction of its gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.mark_dirty(x)  # x's history becomes this node (it has none: nothing in it needs grad)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _into_graph(t: torch.Tensor, anchor: torch.Tensor, inputs: tuple) -> torch.Tensor:
+    """A module output that needs no gradient (its inputs need none and its parameters were switched
+    off), made to need one so that a hook sees its gradient: in place where ``t`` is a fresh tensor
+    of its own (not a view, sharing no storage with an input), else ``t + 0``."""
+    shared = t._base is not None or any(
+        isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        for x in _flatten(inputs)[0]
+    )
+    if shared or t.is_inference() or torch.is_inference_mode_enabled():
+        return t + anchor.to(t.dtype)
+    return _Tap.apply(t, anchor)
+
+
 class _ReluLink:
     """A linear layer ``l2`` whose input is ``relu(output of this call)`` and nothing else's.
 
@@ -438,7 +466,7 @@ class PerSampleClipper:
             if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
                 continue
             if not t.requires_grad:
-                t = t + self._anchor.to(t.dtype)
+                t = _into_graph(t, self._anchor, call.args)
                 flat[i], changed = t, True
             t.register_hook(self._grad_hook(call, i))
             call.pending += 1

@@ -11,7 +11,7 @@ sample with ``torch.func`` and materialises that module's per-sample gradients.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from gaussdp.errors import UnsafeInput
+from gaussdp.errors import InvalidParameter, UnsafeInput
 from gaussdp.torch._parts import (
+    ConvPart,
     DensePart,
     EmbeddingPart,
     LinearPart,
@@ -30,7 +31,16 @@ from gaussdp.torch._parts import (
     same_elements,
 )
 
-__all__ = ["MHACapture", "Rule", "mha_capture", "mha_captured_parts", "owned_parameters", "rule_for"]
+__all__ = [
+    "MHACapture",
+    "Rule",
+    "RuleHandle",
+    "mha_capture",
+    "mha_captured_parts",
+    "owned_parameters",
+    "register_rule",
+    "rule_for",
+]
 
 Rule = Callable[[nn.Module, tuple, dict, list, dict], list[tuple[nn.Parameter, Part]]]
 
@@ -110,26 +120,62 @@ def _embedding_bag(module, args, kwargs, grads, owned):  # type: ignore[no-untyp
 
 
 def _conv(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
+    """``nn.Conv1d/2d/3d`` (any stride, padding, dilation, groups, padding mode): a
+    :class:`ConvPart` of the input and output gradient (the module's own padding applied first
+    where it is not symmetric zeros: ``padding="same"`` with an even kernel, or ``padding_mode``
+    reflect, replicate, circular)."""
     x, g = args[0], grads[0]
     if g is None:
         return []
-    if isinstance(module, nn.Conv1d):
-        x, g = x.unsqueeze(2), g.unsqueeze(2)
-        k, d, p, s = (
-            (1, *module.kernel_size),
-            (1, *module.dilation),
-            (0, *module.padding),
-            (1, *module.stride),
-        )
+    m: nn.modules.conv._ConvNd = module
+    nd = len(m.kernel_size)
+    if x.dim() == nd + 1:  # unbatched input: a batch of one
+        x, g = x.unsqueeze(0), g.unsqueeze(0)
+    if isinstance(m.padding, str) or m.padding_mode != "zeros":
+        mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+        x = F.pad(x, m._reversed_padding_repeated_twice, mode=mode)
+        padding: tuple = (0,) * nd
     else:
-        k, d, p, s = module.kernel_size, module.dilation, module.padding, module.stride
+        padding = tuple(m.padding)
     out: list[tuple[nn.Parameter, Part]] = []
-    g = g.flatten(2).transpose(1, 2)  # (B, L, out)
     if "weight" in owned:
-        cols = F.unfold(x, k, dilation=d, padding=p, stride=s).transpose(1, 2)  # (B, L, in*k)
-        out.append((owned["weight"], LinearPart(cols, g, module.weight.shape)))
+        part = ConvPart(
+            x, g, m.weight.shape, stride=m.stride, padding=padding, dilation=m.dilation, groups=m.groups
+        )
+        out.append((owned["weight"], part))
     if "bias" in owned:
-        out.append((owned["bias"], DensePart(g.sum(1), module.bias.shape)))
+        out.append((owned["bias"], DensePart(g.flatten(2).sum(2), m.bias.shape)))
+    return out
+
+
+def _conv_transpose(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
+    """``nn.ConvTranspose1d/2d/3d``: its weight gradient is that of the convolution it is the
+    adjoint of, which reads the output gradient (same stride, padding, dilation, groups) and whose
+    output gradient is the input, so a :class:`ConvPart` with the two roles swapped."""
+    x, g = args[0], grads[0]
+    if g is None:
+        return []
+    m: nn.modules.conv._ConvTransposeNd = module
+    nd = len(m.kernel_size)
+    if x.dim() == nd + 1:
+        x, g = x.unsqueeze(0), g.unsqueeze(0)
+    out: list[tuple[nn.Parameter, Part]] = []
+    if "weight" in owned:
+        part = ConvPart(
+            g, x, m.weight.shape, stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups
+        )
+        reads = [
+            (n + 2 * p - d * (k - 1) - 1) // s + 1
+            for n, k, s, p, d in zip(g.shape[2:], m.kernel_size, m.stride, m.padding, m.dilation, strict=True)
+        ]
+        if reads != list(x.shape[2:]):  # output_padding >= stride: positions the adjoint never reads
+            raise UnsafeInput(
+                f"{type(m).__name__} with output_padding={m.output_padding} >= stride={m.stride} "
+                "has no per-sample rule"
+            )
+        out.append((owned["weight"], part))
+    if "bias" in owned:
+        out.append((owned["bias"], DensePart(g.flatten(2).sum(2), m.bias.shape)))
     return out
 
 
@@ -157,16 +203,42 @@ def _layer_norm(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-
     return _norm_parts(owned, x_hat, g, len(shape), torch.Size(shape), torch.Size(shape))
 
 
+def _channel_parts(owned, x_hat, g, c):  # type: ignore[no-untyped-def]
+    """Per-sample gradients of a per-channel affine ``y = w_c * x_hat + b_c`` over ``(B, C, *)``:
+    sums over each sample's positions, reduced along the contiguous last axis; ``x_hat`` is a fresh
+    tensor of the rule's own and takes the product in place (no second temporary)."""
+    out: list[tuple[nn.Parameter, Part]] = []
+    b = g.shape[0]
+    dtype = acc_dtype(g.dtype)
+    g = g.reshape(b, c, -1)
+    if "weight" in owned:
+        ps = x_hat.to(g.dtype).reshape(b, c, -1).mul_(g).sum(2, dtype=dtype)
+        out.append((owned["weight"], DensePart(ps, torch.Size((c,)))))
+    if "bias" in owned:
+        out.append((owned["bias"], DensePart(g.sum(2, dtype=dtype), torch.Size((c,)))))
+    return out
+
+
 def _group_norm(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
     x, g = args[0], grads[0]
     if g is None:
         return []
-    x_hat = F.group_norm(x, module.num_groups, None, None, module.eps)
-    b, c = x.shape[0], x.shape[1]
-    # move channels last so the generic reshape sums over spatial positions
-    x_hat = x_hat.reshape(b, c, -1).transpose(1, 2)
-    g = g.reshape(b, c, -1).transpose(1, 2)
-    return _norm_parts(owned, x_hat, g, 1, torch.Size((c,)), torch.Size((c,)))
+    x_hat = F.group_norm(x, module.num_groups, None, None, module.eps) if "weight" in owned else None
+    return _channel_parts(owned, x_hat, g, x.shape[1])
+
+
+def _instance_norm(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
+    """``nn.InstanceNorm1d/2d/3d`` (affine, without running statistics: the validator refuses
+    those): each sample's channels normalised by their own statistics, a GroupNorm of one channel
+    per group."""
+    x, g = args[0], grads[0]
+    if g is None:
+        return []
+    m: nn.modules.instancenorm._InstanceNorm = module
+    if x.dim() == m._get_no_batch_dim():  # unbatched input: a batch of one
+        x, g = x.unsqueeze(0), g.unsqueeze(0)
+    x_hat = F.instance_norm(x, None, None, None, None, True, 0.0, m.eps) if "weight" in owned else None
+    return _channel_parts(owned, x_hat, g, x.shape[1])
 
 
 def vmap_parts(module, args, kwargs, grads, owned, disabled):  # type: ignore[no-untyped-def]
@@ -582,8 +654,107 @@ def _is_hf_conv1d(module: nn.Module) -> bool:
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
 
 
+PerSampleRule = Callable[[nn.Module, tuple, dict, list], Mapping[str, torch.Tensor]]
+
+# Rules registered for custom layers, by module class. Like the class itself, a registration is
+# code, the same for every model and tenant of the process (not state of a training run).
+_REGISTERED: dict[type, PerSampleRule] = {}
+
+
+class RuleHandle:
+    """What :func:`register_rule` returns: ``remove()`` takes the registration back."""
+
+    def __init__(self, module_type: type, rule: PerSampleRule) -> None:
+        self.module_type, self.rule = module_type, rule
+
+    def remove(self) -> None:
+        if _REGISTERED.get(self.module_type) is self.rule:
+            del _REGISTERED[self.module_type]
+
+
+def register_rule(module_type: type, rule: PerSampleRule, *, replace: bool = False) -> RuleHandle:
+    """Give a layer class its own per-sample gradient rule (else such layers use ``torch.func``).
+
+    ``rule(module, args, kwargs, grad_outputs)`` is called at the end of each backward pass, once
+    per forward call of a module of this class (subclasses included, unless they have their own
+    rule), with the call's positional and keyword inputs (detached) and ``grad_outputs``, the
+    gradients of the call's outputs flattened in ``torch.utils._pytree`` order (None for an output
+    backward did not reach). It returns, for each trainable parameter the module holds itself
+    (``module.named_parameters(recurse=False)``, by that name), the per-sample gradients
+    ``(B, *param.shape)``: sample ``i``'s gradient given the output gradients ``grad_outputs[..][i]``
+    (linear in them; with a mean loss they carry its ``1 / B``, which the clipper undoes). Those
+    are clipped and summed exactly like a built-in layer's; the guarantee then rests on the rule
+    being right (test it against a per-example loop, as ``tests/torch`` does for the built-in ones).
+    A registered rule takes precedence over a built-in one for the same class.
+
+    Args:
+        module_type: an ``nn.Module`` subclass.
+        rule: the function described above.
+        replace: allow replacing a rule already registered for ``module_type``.
+
+    Returns:
+        A handle whose ``remove()`` unregisters the rule.
+
+    Raises:
+        TypeError: ``module_type`` is not an ``nn.Module`` subclass or ``rule`` is not callable.
+        InvalidParameter: a rule is registered for ``module_type`` already and ``replace`` is False.
+
+    Example::
+
+        def scale_rule(module, args, kwargs, grad_outputs):   # y = x * weight, x of shape (B, d)
+            return {"weight": args[0] * grad_outputs[0]}
+
+        handle = gaussdp.torch.register_rule(Scale, scale_rule)
+    """
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"module_type must be an nn.Module subclass, got module_type={module_type!r}")
+    if not callable(rule):
+        raise TypeError(f"rule must be callable, got rule={rule!r}")
+    if module_type in _REGISTERED and not replace:
+        raise InvalidParameter(
+            f"a per-sample rule is registered for {module_type.__name__} already "
+            f"({_REGISTERED[module_type]!r}); pass replace=True to replace it"
+        )
+    _REGISTERED[module_type] = rule
+    return RuleHandle(module_type, rule)
+
+
+def _registered(module: nn.Module) -> Rule | None:
+    for cls in type(module).__mro__:
+        rule = _REGISTERED.get(cls)
+        if rule is not None:
+            return _custom(rule)
+    return None
+
+
+def _custom(rule: PerSampleRule) -> Rule:
+    """A registered rule as a built-in one: its per-sample gradients checked and made parts."""
+
+    def parts(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
+        if all(g is None for g in grads):
+            return []
+        b = next(g for g in grads if g is not None).shape[0]
+        given = rule(module, args, kwargs, list(grads))
+        out: list[tuple[nn.Parameter, Part]] = []
+        for name, p in owned.items():
+            ps = given.get(name) if isinstance(given, Mapping) else None
+            if not isinstance(ps, torch.Tensor) or tuple(ps.shape) != (b, *p.shape):
+                got = "nothing" if ps is None else f"{type(ps).__name__} {tuple(getattr(ps, 'shape', ()))}"
+                raise UnsafeInput(
+                    f"the rule registered for {type(module).__name__} gave {got} for its trainable "
+                    f"parameter {name!r}; per-sample gradients of shape {(b, *p.shape)} are needed"
+                )
+            out.append((p, DensePart(ps.detach(), p.shape)))
+        return out
+
+    return parts
+
+
 def rule_for(module: nn.Module) -> Rule | None:
-    """The closed-form rule for ``module``, or None for the vmap fallback."""
+    """The closed-form rule for ``module`` (a registered one first), or None for the vmap fallback."""
+    registered = _registered(module)
+    if registered is not None:
+        return registered
     if isinstance(module, nn.Linear) or _is_hf_conv1d(module):
         return _linear
     if isinstance(module, nn.Embedding):
@@ -598,14 +769,16 @@ def rule_for(module: nn.Module) -> Rule | None:
         if module.mode == "max" or module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
             return None
         return _embedding_bag
-    if isinstance(module, nn.Conv1d | nn.Conv2d):
-        if module.groups != 1 or isinstance(module.padding, str) or module.padding_mode != "zeros":
-            return None
+    if isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d):
         return _conv
+    if isinstance(module, nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d):
+        return _conv_transpose
     if isinstance(module, nn.LayerNorm | nn.RMSNorm):
         return _layer_norm
     if isinstance(module, nn.GroupNorm):
         return _group_norm
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm) and not module.track_running_stats:
+        return _instance_norm
     if isinstance(module, nn.MultiheadAttention):
         if not module.batch_first:
             return _refuse_batch_second
