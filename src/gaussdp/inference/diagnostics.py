@@ -282,9 +282,9 @@ def utility_report(
     try:
         for ids in ids_list:
             with torch.no_grad():
-                with priv.paused():
-                    clean = _logits(model(ids))
-                private = _logits(model(ids))
+                clean = _logits(model(ids))  # the privatizer is not attached: the clean model
+                with priv:
+                    private = _logits(model(ids))
             stats = priv.last_release
             assert stats is not None
             dim = stats.dim

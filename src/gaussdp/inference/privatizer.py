@@ -1,7 +1,13 @@
 """Privatize the hidden states of a PyTorch model at one layer: clip, charge, noise, release.
 
 :class:`HiddenStatePrivatizer` registers a forward hook on one module (by default the last
-transformer block of a Hugging Face model). Each time the module runs, the hook takes its output
+transformer block of a Hugging Face model) **only while it is active**: inside ``with privatizer:``
+or between :meth:`~HiddenStatePrivatizer.attach` and :meth:`~HiddenStatePrivatizer.detach`.
+Constructing a privatizer changes nothing: the model's forward passes outside that window are the
+clean model's and charge nothing. While the hook is registered it applies to *every* forward pass
+of the module, in any thread (a hook on a module cannot tell its callers apart; privatizing a pass
+that did not ask for it costs budget, leaving one clean that did ask would leak). Each time the
+module runs with the hook active, the hook takes its output
 hidden state, clips every token's vector (or every sequence's whole matrix) to L2 norm ``clip_norm``
 (:func:`gaussdp.clipping.clip_rows`), charges the session's ledger for every vector it is about to
 release, adds Gaussian noise, and returns the noised state in place of the clean one. If the charge
@@ -214,9 +220,13 @@ class HiddenStatePrivatizer(SetOnce):
         )
         self.last_release: ReleaseStats | None = None
         self.model = model
+        # Entered ``with`` blocks (any thread) and explicit attach(): the hook is registered while
+        # either holds, and only then (constructing a privatizer must not privatize, nor charge).
+        self._entered = 0
+        self._explicit = False
+        self._attach_lock = threading.Lock()
         if model is not None or isinstance(layer, nn.Module):
             self.layer_path, self.module = resolve_layer(model, layer)
-            self._handle = self.module.register_forward_hook(self._hook)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -234,20 +244,65 @@ class HiddenStatePrivatizer(SetOnce):
 
     @property
     def attached(self) -> bool:
-        """Whether the hook is currently registered."""
+        """Whether the hook is registered now (inside ``with``, or after :meth:`attach`)."""
         return self._handle is not None
 
-    def remove(self) -> None:
-        """Remove the hook; the model is back to its clean forward pass. Idempotent."""
-        if self._handle is not None:
+    def _register(self) -> None:
+        if self.module is None:
+            raise InvalidParameter(
+                "this privatizer has no module to hook (model=None and no layer module): "
+                "use privatize() directly, or pass a model or a module as layer="
+            )
+        if self._handle is None:
+            self._handle = self.module.register_forward_hook(self._hook)
+
+    def _unregister_if_unused(self) -> None:
+        if self._handle is not None and not self._explicit and self._entered == 0:
             self._handle.remove()
             self._handle = None
 
+    def attach(self) -> HiddenStatePrivatizer:
+        """Register the hook until :meth:`detach`: every forward pass of the module is privatized
+        and charged from now on (in every thread). Idempotent; returns ``self``.
+
+        Raises:
+            InvalidParameter: the privatizer was built without a module (``model=None``).
+        """
+        with self._attach_lock:
+            self._register()
+            self._explicit = True
+        return self
+
+    def detach(self) -> None:
+        """Undo :meth:`attach`: the module runs clean again (unless a ``with`` block is still
+        open on this privatizer, which keeps the hook until it exits). Idempotent."""
+        with self._attach_lock:
+            self._explicit = False
+            self._unregister_if_unused()
+
+    def remove(self) -> None:
+        """Remove the hook now, whatever attached it; the model is back to its clean forward pass.
+
+        Idempotent. Open ``with`` blocks stay counted: the hook is registered again on the next
+        :meth:`attach` or ``with``.
+        """
+        with self._attach_lock:
+            self._explicit = False
+            if self._handle is not None:
+                self._handle.remove()
+                self._handle = None
+
     def __enter__(self) -> HiddenStatePrivatizer:
+        """Register the hook for the block (nested and concurrent blocks share one hook)."""
+        with self._attach_lock:
+            self._register()
+            self._entered += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.remove()
+        with self._attach_lock:
+            self._entered = max(0, self._entered - 1)
+            self._unregister_if_unused()
 
     @contextlib.contextmanager
     def session(self, session_id: str) -> Iterator[HiddenStatePrivatizer]:
