@@ -7,6 +7,8 @@ from typing import Any
 
 import typer
 
+from gaussdp._neighbouring import DEFAULT_HIDDEN_STATE_NEIGHBOURING, HIDDEN_STATE_NEIGHBOURINGS
+
 
 def register(app: typer.Typer) -> None:
     app.command("inference-report")(inference_report)
@@ -54,6 +56,11 @@ def inference_report(
     prompts: int = typer.Option(8, help="Number of random prompts."),
     prompt_len: int = typer.Option(16, help="Tokens per prompt."),
     per: str = typer.Option("token", help="'token' or 'sequence'."),
+    neighbouring: str = typer.Option(
+        DEFAULT_HIDDEN_STATE_NEIGHBOURING,
+        help="Relation the epsilons are for: 'replace' (default everywhere for hidden states, "
+        "sensitivity 2C) or 'add-remove' (sensitivity C).",
+    ),
     out: str = typer.Option("inference_report.png", help="Where to write the PNG."),
 ) -> None:
     """Sweep epsilon and clip norm, print SNR and next-token effects, draw the privacy/utility PNG."""
@@ -71,6 +78,7 @@ def inference_report(
         n_prompts=prompts,
         prompt_len=prompt_len,
         per=per,
+        neighbouring=neighbouring,
         out=Path(out),
         table_cls=Table,
     )
@@ -89,7 +97,13 @@ def run_report(
     per: str,
     out: Path,
     table_cls: Any,
+    neighbouring: str = DEFAULT_HIDDEN_STATE_NEIGHBOURING,
 ) -> list[Any]:
+    if neighbouring not in HIDDEN_STATE_NEIGHBOURINGS:
+        raise typer.BadParameter(
+            f"neighbouring must be 'replace' or 'add-remove', got {neighbouring!r}",
+            param_hint="--neighbouring",
+        )
     import torch
 
     from gaussdp.inference.report import document_000, plot_privacy_utility, sweep, tiny_causal_lm
@@ -112,11 +126,20 @@ def run_report(
         probe = utility_report(lm, prompts[:2], clip_norm=1e12, sigma=1.0, layer=layer, per=per)
         med = probe.mean_hidden_norm
         clip_norms = [0.25 * med, med, 4 * med]
-    reports = sweep(lm, prompts, epsilons=epsilons, clip_norms=clip_norms, delta=delta, layer=layer, per=per)
+    reports = sweep(
+        lm,
+        prompts,
+        epsilons=epsilons,
+        clip_norms=clip_norms,
+        delta=delta,
+        layer=layer,
+        per=per,
+        neighbouring=neighbouring,
+    )
     from rich import box
 
     table = table_cls(
-        title=f"hidden-state privatization, {type(lm).__name__}, delta={delta:g}",
+        title=f"hidden-state privatization, {type(lm).__name__}, delta={delta:g}, {neighbouring}",
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
     )

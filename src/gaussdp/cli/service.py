@@ -179,8 +179,11 @@ def demo(console: Any, out_dir: Path) -> None:
             state *= 177.5 / np.linalg.norm(state)  # document 000: post-transformer hidden norm ~177.5
             released, last = 0, None
             while True:
+                # document 000's relation (Delta_f = C): stated, since the default is replace-one
                 r = http.post(
-                    f"/v1/sessions/{sid}/hidden-state", json={"hidden_state": state.tolist()}, headers=h
+                    f"/v1/sessions/{sid}/hidden-state",
+                    json={"hidden_state": state.tolist(), "neighbouring": "add-remove"},
+                    headers=h,
                 )
                 if r.status_code != 200:
                     last = r
@@ -190,6 +193,7 @@ def demo(console: Any, out_dir: Path) -> None:
             sigma, classical = out["sigma"], classical_sigma(epsilon=1.0, delta=1e-5)
             console.print(
                 f"released {released} noised hidden states (d=1536, clip 1, epsilon=1, delta=1e-5 each, "
+                f"neighbouring={out['neighbouring']}, "
                 f"analytic sigma={sigma:.4f} instead of the classical {classical:.4f}); "
                 f"then HTTP {last.status_code}: {last.json()['detail'][:110]}..."
             )

@@ -19,7 +19,11 @@ What is protected (the neighbouring relation)
 The unit released is one row: one token's hidden state (``per="token"``) or one sequence's whole
 hidden-state matrix (``per="sequence"``). Every released row is clipped to ``clip_norm = C``.
 
-* ``neighbouring="replace"`` (default): two requests are neighbours whatever their content; a row
+* ``neighbouring="replace"`` (default, everywhere for hidden states: the privatizer, split mode,
+  the service's ``/hidden-state`` and ``/lora-delta`` and the CLI share
+  :data:`gaussdp._neighbouring.DEFAULT_HIDDEN_STATE_NEIGHBOURING`, so a sigma calibrated with the
+  default is charged the same epsilon on every path): two requests are neighbours whatever their
+  content (a request's rows are always present; what it hides is what they say); a row
   can move from any point of the C-ball to any other, so its L2 sensitivity is ``2C``. Because
   every row of a request is charged (one :class:`~gaussdp.accounting.GaussianEvent` per row,
   composed by the ledger's accountant), the epsilon the ledger reports covers the *whole* request
@@ -48,6 +52,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from gaussdp._neighbouring import (
+    DEFAULT_HIDDEN_STATE_NEIGHBOURING,
+    HIDDEN_STATE_NEIGHBOURINGS,
+    HiddenStateNeighbouring,
+    hidden_state_sensitivity,
+)
 from gaussdp._validate import SetOnce, check_choice, check_delta, check_epsilon, check_positive
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, UnsafeInput
 from gaussdp.inference._layers import resolve_layer, split_output
@@ -55,7 +65,7 @@ from gaussdp.inference._layers import resolve_layer, split_output
 __all__ = ["HiddenStatePrivatizer", "ReleaseStats"]
 
 Per = Literal["token", "sequence"]
-Neighbouring = Literal["replace", "add-remove"]
+Neighbouring = HiddenStateNeighbouring
 
 
 @dataclass(frozen=True)
@@ -148,7 +158,7 @@ class HiddenStatePrivatizer(SetOnce):
         budget: Any = None,
         per: Per = "token",
         accountant: str = "pld",
-        neighbouring: Neighbouring = "replace",
+        neighbouring: Neighbouring = DEFAULT_HIDDEN_STATE_NEIGHBOURING,
         method: str = "analytic",
         noise: str | bool = "secure",
         seed: int | None = None,
@@ -160,12 +170,12 @@ class HiddenStatePrivatizer(SetOnce):
         self._handle: Any = None
         self.clip_norm = check_positive("clip_norm", clip_norm)
         check_choice("per", per, ("token", "sequence"))
-        check_choice("neighbouring", neighbouring, ("replace", "add-remove"))
+        check_choice("neighbouring", neighbouring, HIDDEN_STATE_NEIGHBOURINGS)
         if not isinstance(session_id, str) or not session_id:
             raise InvalidParameter(f"session_id must be a non-empty string, got session_id={session_id!r}")
         self.per: Per = per
         self.neighbouring: Neighbouring = neighbouring
-        self.sensitivity = self.clip_norm * (2.0 if neighbouring == "replace" else 1.0)
+        self.sensitivity = hidden_state_sensitivity(self.clip_norm, neighbouring)
         self.delta = None if delta is None else check_delta(delta)
         self.noise_enabled = noise is not False
         if self.noise_enabled:

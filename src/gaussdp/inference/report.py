@@ -1,8 +1,9 @@
 """The privacy/utility sweep of ``gaussdp inference-report``, and its PNG (matplotlib, Agg backend).
 
-For a fixed per-token epsilon the noise is ``sigma = sigma_for(epsilon, delta, 2C)`` (replace-one),
-so the SNR bound ``C / (sigma sqrt(d))`` does not depend on the clip norm C at all: C only decides
-how much of the hidden state clipping throws away. The sweep shows both effects.
+For a fixed per-token epsilon the noise is ``sigma = sigma_for(epsilon, delta, 2C)`` under the default
+relation (replace-one, :mod:`gaussdp._neighbouring`; ``C`` under add-remove), so the SNR bound
+``C / (sigma sqrt(d))`` does not depend on the clip norm C at all: C only decides how much of the
+hidden state clipping throws away. The sweep shows both effects.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gaussdp._neighbouring import DEFAULT_HIDDEN_STATE_NEIGHBOURING, hidden_state_sensitivity
 from gaussdp.calibration import classical_sigma, epsilon_for, sigma_for
 from gaussdp.inference.diagnostics import SNRFigures, UtilityReport, analytic_snr, measure_snr, utility_report
 
@@ -98,16 +100,26 @@ def sweep(
     delta: float,
     layer: Any = None,
     per: str = "token",
+    neighbouring: str = DEFAULT_HIDDEN_STATE_NEIGHBOURING,
     seed: int | None = None,
 ) -> list[UtilityReport]:
-    """One :func:`utility_report` per (clip norm, per-token epsilon), replace-one calibration."""
+    """One :func:`utility_report` per (clip norm, per-token epsilon), calibrated under ``neighbouring``
+    (default: replace-one, sensitivity 2C, the default of every hidden-state surface)."""
     out = []
     for c in clip_norms:
         for eps in epsilons:
-            sigma = sigma_for(epsilon=eps, delta=delta, sensitivity=2.0 * c)
+            sigma = sigma_for(epsilon=eps, delta=delta, sensitivity=hidden_state_sensitivity(c, neighbouring))
             out.append(
                 utility_report(
-                    model, prompts, clip_norm=c, sigma=sigma, delta=delta, layer=layer, per=per, seed=seed
+                    model,
+                    prompts,
+                    clip_norm=c,
+                    sigma=sigma,
+                    delta=delta,
+                    layer=layer,
+                    per=per,
+                    neighbouring=neighbouring,
+                    seed=seed,
                 )
             )
     return out
@@ -124,6 +136,7 @@ def plot_privacy_utility(
 
     path = Path(path)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    relation = ", ".join(sorted({r.neighbouring for r in reports})) or DEFAULT_HIDDEN_STATE_NEIGHBOURING
     clips = sorted({r.clip_norm for r in reports})
     for c in clips:
         rs = sorted((r for r in reports if r.clip_norm == c), key=lambda r: r.epsilon_per_token or 0.0)
@@ -146,7 +159,7 @@ def plot_privacy_utility(
     axes[2].set_yscale("log")
     for ax in axes:
         ax.set_xscale("log")
-        ax.set_xlabel("epsilon per token (replace-one, exact)")
+        ax.set_xlabel(f"epsilon per token ({relation}, exact)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     if doc is not None:
