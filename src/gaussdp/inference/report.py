@@ -67,12 +67,13 @@ def document_000(*, rows: int = 256, seed: int | None = None) -> Document000:
     )
 
 
-def tiny_causal_lm(*, seed: int = 0) -> Any:
+def tiny_causal_lm(*, seed: int = 0, vocab_size: int = 100) -> Any:
     """A 2-layer GPT-2 (d=64, vocabulary 100) built from a config: no download, random weights.
 
     The weights are drawn 10x wider than GPT-2's default (``initializer_range=0.2``) so that the
     next-token distribution is far from uniform and KL / agreement figures move visibly; the numbers
-    illustrate the mechanics only. Pass a real checkpoint (``--model PATH``) for real figures.
+    illustrate the mechanics only. Pass a trained model (``--model DIR``, e.g. from
+    ``gaussdp train-tiny-lm DIR``, :mod:`gaussdp.inference.tiny_lm`) for figures that mean something.
     """
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -82,7 +83,7 @@ def tiny_causal_lm(*, seed: int = 0) -> Any:
         n_layer=2,
         n_embd=64,
         n_head=2,
-        vocab_size=100,
+        vocab_size=vocab_size,
         n_positions=128,
         bos_token_id=0,
         eos_token_id=0,
