@@ -24,8 +24,8 @@ demo: $(VENV)/.demo-installed
 	$(BIN)/gaussdp demo
 
 lint: $(VENV)/.test-installed
-	$(BIN)/ruff check setup.py src tests benchmarks examples
-	$(BIN)/ruff format --check setup.py src tests benchmarks examples
+	$(BIN)/ruff check setup.py src tests benchmarks examples scripts
+	$(BIN)/ruff format --check setup.py src tests benchmarks examples scripts
 
 typecheck: $(VENV)/.test-installed
 	$(BIN)/mypy

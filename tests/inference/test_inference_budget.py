@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from gaussdp.budget import Budget, Ledger  # noqa: E402
 from gaussdp.calibration import epsilon_for_mu  # noqa: E402
-from gaussdp.errors import BudgetExhausted, PrivacyWarning  # noqa: E402
+from gaussdp.errors import BudgetExhausted, InvalidParameter, PrivacyWarning  # noqa: E402
 from gaussdp.inference import HiddenStatePrivatizer, stream_generate  # noqa: E402
 
 DELTA = 1e-5
@@ -168,3 +168,84 @@ def test_calibrated_settings_cannot_be_reassigned(tiny_gpt2):
     assert (priv.clip_norm, priv.sigma) == (CLIP, SIGMA)
     priv.last_release = None  # other attributes stay assignable
     priv.remove()
+
+
+def test_constructing_a_privatizer_neither_hooks_nor_charges(tiny_gpt2, prompt):
+    """Issue 20: the hook attached at construction, so a "clean" generate() outside ``with`` was
+    noised and spent the session's budget. Now only ``with`` / attach() activate it."""
+    with torch.no_grad():
+        clean = tiny_gpt2(prompt).logits
+    ledger = Ledger("memory://")
+    priv = HiddenStatePrivatizer(
+        tiny_gpt2, clip_norm=CLIP, sigma=SIGMA, ledger=ledger, session_id="alice", budget=Budget(1e6, DELTA)
+    )
+    assert not priv.attached
+    with torch.no_grad():
+        assert torch.equal(tiny_gpt2(prompt).logits, clean)
+    tiny_gpt2.generate(prompt, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert ledger.history("alice") == [] and ledger.spent("alice").epsilon == 0.0
+    with priv:
+        assert priv.attached
+        with torch.no_grad():
+            assert not torch.equal(tiny_gpt2(prompt).logits, clean)
+    assert not priv.attached
+    assert [h.event.get("count", 1) for h in ledger.history("alice")] == [prompt.shape[1]]
+    with torch.no_grad():
+        assert torch.equal(tiny_gpt2(prompt).logits, clean)  # clean again after the block
+    assert len(ledger.history("alice")) == 1
+
+
+def test_attach_and_detach_explicitly(tiny_gpt2, prompt):
+    ledger = Ledger("memory://")
+    priv = HiddenStatePrivatizer(
+        tiny_gpt2, clip_norm=CLIP, sigma=SIGMA, ledger=ledger, session_id="alice", budget=Budget(1e6, DELTA)
+    )
+    assert priv.attach() is priv and priv.attach() is priv  # idempotent
+    with torch.no_grad():
+        tiny_gpt2(prompt)
+        with priv:  # a block inside an explicit attach leaves it attached on exit
+            tiny_gpt2(prompt)
+        assert priv.attached
+        tiny_gpt2(prompt)
+        priv.detach()
+        assert not priv.attached
+        tiny_gpt2(prompt)
+        priv.detach()  # idempotent
+        with priv:
+            with priv:  # nested blocks share one hook, removed by the outermost exit
+                tiny_gpt2(prompt)
+            assert priv.attached
+        assert not priv.attached
+    assert len(ledger.history("alice")) == 4
+    assert all(len(m._forward_hooks) == 0 for m in tiny_gpt2.modules())
+
+
+def test_a_privatizer_without_a_module_refuses_to_activate():
+    priv = HiddenStatePrivatizer(None, clip_norm=CLIP, sigma=SIGMA)
+    with pytest.raises(InvalidParameter, match="no module"):
+        priv.attach()
+    with pytest.raises(InvalidParameter, match="no module"), priv:
+        pass
+    assert not priv.attached
+
+
+def test_stream_generate_activates_the_hook_only_during_its_passes(tiny_gpt2, prompt):
+    ledger = Ledger("memory://")
+    priv = make(tiny_gpt2, ledger)
+    ledger.open("alice", Budget(1e6, DELTA))
+    with torch.no_grad():
+        clean = tiny_gpt2(prompt).logits
+    tokens = 0
+    for _ in stream_generate(tiny_gpt2, prompt, privatizer=priv, max_new_tokens=3):
+        tokens += 1
+        assert not priv.attached  # not across a yield: the consumer's own passes are clean
+        with torch.no_grad():
+            assert torch.equal(tiny_gpt2(prompt).logits, clean)
+    assert tokens == 3
+    assert [h.event.get("count", 1) for h in ledger.history("alice")] == [prompt.shape[1], 1, 1]
+
+
+def test_stream_generate_refuses_a_privatizer_of_another_model(tiny_gpt2, tiny_llama, prompt):
+    priv = HiddenStatePrivatizer(tiny_llama, clip_norm=CLIP, sigma=SIGMA)
+    with pytest.raises(InvalidParameter, match="module of this model"):
+        next(stream_generate(tiny_gpt2, prompt, privatizer=priv, max_new_tokens=1))

@@ -116,12 +116,12 @@ def test_local_checkpoint_from_pretrained(tiny_llama, tmp_path, prompt):
     assert priv.spent() > 0
 
 
-def test_inference_report_cli_writes_png(tmp_path, tiny_gpt2):
+def test_inference_report_cli_writes_png(tmp_path):
+    """Default prompts: held-out documents of gensim's Lee corpus (real text), untrained model, said so."""
     from typer.testing import CliRunner
 
     from gaussdp.cli import build_app
 
-    tiny_gpt2.save_pretrained(tmp_path / "gpt2")
     png = tmp_path / "curve.png"
     result = CliRunner().invoke(
         build_app(),
@@ -129,8 +129,7 @@ def test_inference_report_cli_writes_png(tmp_path, tiny_gpt2):
             "inference-report",
             "--epsilons", "1,100",
             "--clip-norms", "0.5",
-            "--model", str(tmp_path / "gpt2"),
-            "--prompts", "2",
+            "--n-prompts", "2",
             "--prompt-len", "6",
             "--out", str(png),
         ],
@@ -138,4 +137,21 @@ def test_inference_report_cli_writes_png(tmp_path, tiny_gpt2):
     assert result.exit_code == 0, result.output
     assert "0.00527" in result.output  # document 000's true SNR
     assert "189.9" in result.output  # its noise norm
+    assert "lee_background.cor" in result.output and "UNTRAINED" in result.output
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_inference_report_refuses_a_checkpoint_without_tokenizer(tmp_path, tiny_gpt2):
+    """Text prompts need the model's own tokenizer: a checkpoint without one is refused, not guessed."""
+    from typer.testing import CliRunner
+
+    from gaussdp.cli import build_app
+
+    tiny_gpt2.save_pretrained(tmp_path / "gpt2")
+    result = CliRunner().invoke(
+        build_app(), ["inference-report", "--model", str(tmp_path / "gpt2"), "--out", str(tmp_path / "x.png")]
+    )
+    assert result.exit_code == 2
+    words = " ".join(result.output.replace("│", " ").split())  # rich wraps the error in a box
+    assert "holds no tokenizer" in words
+    assert not (tmp_path / "x.png").exists()

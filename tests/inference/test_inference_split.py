@@ -86,8 +86,8 @@ def test_halves_compose_to_the_hooked_model(tiny_llama, lora, rescale):
     A, B = lora
     ids = torch.tensor([[1, 2, 3, 4, 5, 6], [7, 7, 8, 9, 10, 11]])
     clip = 0.2
-    with _off(None, clip) as priv:
-        sent = client_forward(tiny_llama, ids, "model.layers.1", priv)
+    priv = _off(None, clip)  # no module: client_forward privatizes what it captures
+    sent = client_forward(tiny_llama, ids, "model.layers.1", priv)
     delta = server_lora_delta(sent, A, B, SCALING)
     assert isinstance(delta, torch.Tensor) and delta.shape == (2, 64)
     logits = client_finish(tiny_llama, ids, "model.layers.1", delta, clip_norm=clip, rescale=rescale).logits

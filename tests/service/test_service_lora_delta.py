@@ -205,21 +205,70 @@ def test_hidden_state_names_its_neighbouring_relation(service, client) -> None: 
         f"/v1/sessions/{sid}/hidden-state", json={"hidden_state": x.tolist(), "clip_norm": 0.5}, headers=h
     )
     assert r.status_code == 200, r.text
-    out = r.json()  # default unchanged: add/remove, sensitivity clip_norm
-    assert (out["neighbouring"], out["sensitivity"]) == ("add-remove", 0.5)
-    assert out["sigma"] == pytest.approx(sigma_for(epsilon=1.0, delta=1e-5, sensitivity=0.5), rel=1e-5)
+    out = r.json()  # the default of every hidden-state surface: replace-one, sensitivity 2 * clip_norm
+    assert (out["neighbouring"], out["sensitivity"]) == ("replace", 1.0)
+    assert out["sigma"] == pytest.approx(sigma_for(epsilon=1.0, delta=1e-5, sensitivity=1.0), rel=1e-5)
     r = client.post(
         f"/v1/sessions/{sid}/hidden-state",
-        json={"hidden_state": x.tolist(), "clip_norm": 0.5, "neighbouring": "replace"},
+        json={"hidden_state": x.tolist(), "clip_norm": 0.5, "neighbouring": "add-remove"},
         headers=h,
     )
     assert r.status_code == 200, r.text
     out = r.json()
-    assert (out["neighbouring"], out["sensitivity"]) == ("replace", 1.0)
-    assert out["sigma"] == pytest.approx(sigma_for(epsilon=1.0, delta=1e-5, sensitivity=1.0), rel=1e-5)
+    assert (out["neighbouring"], out["sensitivity"]) == ("add-remove", 0.5)
+    assert out["sigma"] == pytest.approx(sigma_for(epsilon=1.0, delta=1e-5, sensitivity=0.5), rel=1e-5)
     # replace costs twice the noise for the same epsilon: both charges are for (1, 1e-5) per request
     events = [c.event for c in service.ledger.history(f"tenant-a/{sid}")]
     assert events[0]["noise_multiplier"] == pytest.approx(events[1]["noise_multiplier"], rel=1e-9)
+
+
+def test_one_default_relation_charges_a_client_its_epsilon_on_every_path(service, lora_client, lora) -> None:  # type: ignore[no-untyped-def]
+    """Issue 20: /hidden-state defaulted to add/remove, the privatizer and /lora-delta to replace-one,
+    so a client that calibrated sigma with one default and sent it to the other route was charged 2.15
+    instead of 1. Every path now defaults to one relation and names it in its answer."""
+    import torch
+
+    from gaussdp.budget import Budget, Ledger
+    from gaussdp.calibration import epsilon_for, epsilon_for_mu
+    from gaussdp.inference import HiddenStatePrivatizer, client_forward
+
+    eps, delta = 1.0, 1e-5
+    h = service.headers(service.key_a)
+
+    def charged_epsilon(event: dict) -> float:  # exact epsilon of one charged row, at delta
+        return epsilon_for(sigma=event["noise_multiplier"], delta=delta, sensitivity=1.0)
+
+    # 1. the privatizer's default, and split mode's client half through it (in process)
+    model = torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.Tanh(), torch.nn.Linear(D, D))
+    ledger = Ledger("memory://")
+    priv = HiddenStatePrivatizer(
+        model, "1", clip_norm=CLIP, epsilon=eps, delta=delta, ledger=ledger, session_id="c",
+        budget=Budget(10.0, delta),
+    )  # fmt: skip
+    sent = client_forward(model, torch.randn(1, D), None, priv)
+    (charge,) = ledger.history("c")
+    assert charged_epsilon(charge.event) == pytest.approx(eps, rel=1e-9)
+    # 2. /hidden-state with only the state: the same relation, sigma and charge as the privatizer
+    sid = new_session(lora_client, service, epsilon=10.0)
+    r = lora_client.post(f"/v1/sessions/{sid}/hidden-state", json={"hidden_state": [3.0] * D}, headers=h)
+    assert r.status_code == 200, r.text
+    hs = r.json()
+    assert (hs["neighbouring"], hs["sensitivity"]) == (priv.neighbouring, priv.sensitivity)
+    assert hs["sigma"] == pytest.approx(priv.sigma, rel=1e-5)
+    # 3. /lora-delta with the sigma of either default, relation left out: charged exactly eps per row
+    for sigma in (priv.sigma, hs["sigma"]):
+        body = {"adapter": "ad", "noised": sent.tolist(), "clip_norm": CLIP, "sigma": sigma}
+        r = lora_client.post(f"/v1/sessions/{sid}/lora-delta", json=body, headers=h)
+        assert r.status_code == 200, r.text
+        assert r.json()["neighbouring"] == priv.neighbouring
+    events = [c.event for c in service.ledger.history(f"tenant-a/{sid}")]
+    assert len(events) == 3
+    assert [charged_epsilon(e) for e in events] == pytest.approx([eps] * 3, rel=1e-5)
+    # the ledger's composed figure is an upper bound just above the exact composition of the 3 rows
+    # (Gaussian releases compose to mu-GDP with mu^2 the sum of 1/z^2: Dong, Roth & Su, Cor. 3.3)
+    mu = sum(e["noise_multiplier"] ** -2 for e in events) ** 0.5
+    exact3 = epsilon_for_mu(mu=mu, delta=delta)
+    assert exact3 * (1 - 1e-9) <= service.ledger.spent(f"tenant-a/{sid}").epsilon <= exact3 * 1.01
 
 
 def test_client_half_plus_endpoint_equals_in_process_split_mode(service, lora_client, lora) -> None:  # type: ignore[no-untyped-def]

@@ -8,9 +8,31 @@ from typing import Any
 
 import typer
 
+from gaussdp._neighbouring import DEFAULT_HIDDEN_STATE_NEIGHBOURING, HIDDEN_STATE_NEIGHBOURINGS
+
 
 def register(app: typer.Typer) -> None:
     app.command("inference-report")(inference_report)
+    app.command("train-tiny-lm")(train_tiny_lm_command)
+
+
+def train_tiny_lm_command(
+    out_dir: Path = typer.Argument(..., help="Directory to save the model and tokenizer to."),
+    corpus: str = typer.Option(
+        "", help="A UTF-8 text file, one document per line (default: gensim's lee_background.cor)."
+    ),
+    steps: int = typer.Option(600, help="Training steps (batches of 16 x 64 tokens)."),
+    seed: int = typer.Option(0, help="Seed of the initialisation and the batches."),
+) -> None:
+    """Train a small GPT-2 on real text shipped with gensim (CPU, minutes) for `inference-report --model`."""
+    from gaussdp.inference.tiny_lm import train_tiny_lm
+
+    r = train_tiny_lm(out_dir, corpus=corpus or None, steps=steps, seed=seed)
+    typer.echo(
+        f"saved {r.path}: GPT-2, {r.parameters / 1e6:.2f} M parameters, word vocabulary {r.vocab_size}, "
+        f"{r.train_tokens} training tokens; held-out perplexity {r.perplexity_before:.0f} (untrained) -> "
+        f"{r.perplexity_after:.1f} on {r.held_out_tokens} tokens, in {r.seconds:.0f} s"
+    )
 
 
 class PrivatizeUnit(StrEnum):
@@ -55,11 +77,25 @@ def inference_report(
         "auto", help="Comma-separated clip norms, or 'auto' (0.25, 1 and 4 x the median hidden norm)."
     ),
     delta: float = typer.Option(1e-5, help="Per-token delta."),
-    model: str = typer.Option("", help="Path of a local Hugging Face checkpoint (default: a tiny GPT-2)."),
+    model: str = typer.Option(
+        "",
+        help="Local Hugging Face directory with a causal LM and its tokenizer, e.g. from "
+        "`gaussdp train-tiny-lm DIR` (default: an UNTRAINED tiny GPT-2: mechanics only).",
+    ),
     layer: str = typer.Option("", help="Module path to hook (default: the last transformer block)."),
-    prompts: int = typer.Option(8, help="Number of random prompts."),
-    prompt_len: int = typer.Option(16, help="Tokens per prompt."),
+    prompts_file: str = typer.Option(
+        "",
+        "--prompts",
+        help="UTF-8 text file, one prompt per line (default: held-out documents of gensim's Lee corpus).",
+    ),
+    n_prompts: int = typer.Option(8, "--n-prompts", help="Number of prompts used (the first ones)."),
+    prompt_len: int = typer.Option(32, help="Tokens per prompt (longer prompts are cut)."),
     per: PrivatizeUnit = typer.Option(PrivatizeUnit.token, help="'token' or 'sequence'."),
+    neighbouring: str = typer.Option(
+        DEFAULT_HIDDEN_STATE_NEIGHBOURING,
+        help="Relation the epsilons are for: 'replace' (default everywhere for hidden states, "
+        "sensitivity 2C) or 'add-remove' (sensitivity C).",
+    ),
     out: str = typer.Option("inference_report.png", help="Where to write the PNG."),
     json_output: bool = typer.Option(
         False, "--json", help="Print the sweep as one JSON document on stdout (the table goes to stderr)."
@@ -80,9 +116,11 @@ def inference_report(
         delta=delta,
         model_path=model or None,
         layer=layer or None,
-        n_prompts=prompts,
+        prompts_path=prompts_file or None,
+        n_prompts=n_prompts,
         prompt_len=prompt_len,
         per=str(per),
+        neighbouring=neighbouring,
         out=Path(out),
         table_cls=Table,
     )
@@ -103,22 +141,52 @@ def run_report(
     per: str,
     out: Path,
     table_cls: Any,
+    neighbouring: str = DEFAULT_HIDDEN_STATE_NEIGHBOURING,
+    prompts_path: str | None = None,
 ) -> list[Any]:
+    if neighbouring not in HIDDEN_STATE_NEIGHBOURINGS:
+        raise typer.BadParameter(
+            f"neighbouring must be 'replace' or 'add-remove', got {neighbouring!r}",
+            param_hint="--neighbouring",
+        )
     import torch
 
     from gaussdp.inference.report import document_000, plot_privacy_utility, sweep, tiny_causal_lm
 
     doc = document_000()
     _print_document_000(console, doc)
-    if model_path:
-        from transformers import AutoModelForCausalLM
+    from gaussdp.errors import InvalidParameter
+    from gaussdp.inference import tiny_lm
 
-        lm = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    try:
+        if prompts_path:
+            texts, source = tiny_lm.read_prompts(prompts_path), prompts_path
+        else:
+            texts = tiny_lm.held_out_split(tiny_lm.corpus_documents())[1]
+            source = f"held-out documents of {tiny_lm.default_corpus_path().name} (gensim's test data)"
+        loaded = tiny_lm.load_causal_lm(model_path) if model_path else None
+    except (InvalidParameter, FileNotFoundError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if loaded is not None:
+        lm, tokenizer = loaded
     else:
-        lm = tiny_causal_lm()
-    vocab = int(lm.get_output_embeddings().weight.shape[0]) if hasattr(lm, "get_output_embeddings") else 100
-    g = torch.Generator().manual_seed(0)  # the prompts are data, not noise
-    prompts = [torch.randint(0, vocab, (1, prompt_len), generator=g) for _ in range(n_prompts)]
+        # No trained model given: random weights with a word tokenizer of the corpus. The prompts
+        # are real text, but the model knows nothing: its perplexities illustrate the mechanics.
+        tokenizer = tiny_lm.build_tokenizer(tiny_lm.held_out_split(tiny_lm.corpus_documents())[0], 2000)
+        lm = tiny_causal_lm(vocab_size=len(tokenizer))
+        console.print(
+            "[yellow]no --model: an UNTRAINED tiny GPT-2 (random weights); its perplexities mean nothing. "
+            "Train one with `gaussdp train-tiny-lm DIR` and pass --model DIR.[/yellow]"
+        )
+    if isinstance(n_prompts, bool) or n_prompts < 1 or prompt_len < 2:
+        raise typer.BadParameter(f"need n_prompts >= 1 and prompt_len >= 2, got {n_prompts}, {prompt_len}")
+    prompts = []
+    for text in texts[:n_prompts]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:prompt_len]
+        if len(ids) < 2:
+            raise typer.BadParameter(f"prompt {text[:40]!r} has fewer than 2 tokens", param_hint="--prompts")
+        prompts.append(torch.tensor([ids]))
+    console.print(f"prompts: {len(prompts)} x <= {prompt_len} tokens of real text from {source}")
     if clip_norms is None:
         # Median hidden norm at the hooked layer, measured without noise (a fixed tiny sigma).
         from gaussdp.inference.diagnostics import utility_report
@@ -126,11 +194,20 @@ def run_report(
         probe = utility_report(lm, prompts[:2], clip_norm=1e12, sigma=1.0, layer=layer, per=per)
         med = probe.mean_hidden_norm
         clip_norms = [0.25 * med, med, 4 * med]
-    reports = sweep(lm, prompts, epsilons=epsilons, clip_norms=clip_norms, delta=delta, layer=layer, per=per)
+    reports = sweep(
+        lm,
+        prompts,
+        epsilons=epsilons,
+        clip_norms=clip_norms,
+        delta=delta,
+        layer=layer,
+        per=per,
+        neighbouring=neighbouring,
+    )
     from rich import box
 
     table = table_cls(
-        title=f"hidden-state privatization, {type(lm).__name__}, delta={delta:g}",
+        title=f"hidden-state privatization, {type(lm).__name__}, delta={delta:g}, {neighbouring}",
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
     )
@@ -195,15 +272,29 @@ def demo(console: Any, out_dir: Path) -> None:
                 f"spent epsilon={ledger.spent('session-1').epsilon:.3f}; "
                 f"|h|={s.mean_norm:.2f}, |noise|={s.mean_noise_norm:.1f}, SNR={s.snr:.4f}"
             )
+    # A small model trained on real text (gensim's Lee corpus), so that the perplexities below mean
+    # something; the demo's settings train in seconds (`gaussdp train-tiny-lm` trains a larger one).
+    from gaussdp.inference.tiny_lm import train_tiny_lm
+
+    lm_dir = out_dir / "tiny-lm"
+    if not (lm_dir / "config.json").is_file():
+        r = train_tiny_lm(
+            lm_dir, vocab_size=2000, n_embd=64, n_layer=2, n_head=2, seq_len=32, batch_size=8,
+            steps=300, learning_rate=1e-2,
+        )  # fmt: skip
+        console.print(
+            f"trained {lm_dir}: GPT-2, {r.parameters / 1e6:.2f} M parameters, held-out perplexity "
+            f"{r.perplexity_before:.0f} (untrained) -> {r.perplexity_after:.0f}, in {r.seconds:.0f} s"
+        )
     run_report(
         console,
         epsilons=[1.0, 8.0, 64.0, 512.0],
         clip_norms=None,
         delta=1e-5,
-        model_path=None,
+        model_path=str(lm_dir),
         layer=None,
         n_prompts=3,
-        prompt_len=8,
+        prompt_len=32,
         per="token",
         out=out_dir / "inference_privacy_utility.png",
         table_cls=Table,

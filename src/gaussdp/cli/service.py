@@ -39,18 +39,62 @@ def serve(
     cpu_limit_s: float = typer.Option(
         1.0, "--cpu-limit-s", help="CPU seconds of numeric work per request; past it 422, nothing charged."
     ),
+    model: list[str] = typer.Option(
+        [], "--model", help="NAME=PATH: a Hugging Face causal LM in a local directory, loaded at start-up."
+    ),
+    adapter: list[str] = typer.Option(
+        [],
+        "--adapter",
+        help="NAME=PATH[#MODULE]: a peft LoRA adapter directory served by /lora-delta under NAME "
+        "(one module's A and B; #MODULE picks it when the adapter has several).",
+    ),
 ) -> None:
-    """Run the gaussdp HTTP service (OpenAPI docs at /docs)."""
+    """Run the gaussdp HTTP service (OpenAPI docs at /docs).
+
+    Models and adapters are read once, here, from local directories; no request can name a path.
+    """
     try:
         from gaussdp.service.app import create_app
         from gaussdp.service.server import serve as run
     except ImportError:
         _missing_extra()
-    app = create_app(db, max_body_bytes=max_body_bytes, cpu_limit_s=cpu_limit_s)
+    models, adapters = _load_models_and_adapters(model, adapter)
+    app = create_app(
+        db, max_body_bytes=max_body_bytes, cpu_limit_s=cpu_limit_s, lora_adapters=adapters or None
+    )
+    app.state.models = models
+    for name, spec in adapters.items():
+        a, b, scaling = spec
+        typer.echo(
+            f"adapter {name}: LoRA rank {a.shape[0]}, {a.shape[1]} -> {b.shape[0]}, scaling {scaling:g}"
+        )
+    for name in models:
+        typer.echo(f"model {name}: {type(models[name]).__name__}")
     if not app.state.ledger.store.list_api_keys():
         typer.echo(f"no API keys yet: create one with  gaussdp keys create TENANT --db {db}", err=True)
     typer.echo(f"gaussdp service on http://{host}:{port}  (docs: http://{host}:{port}/docs, ledger: {db})")
     run(app, host=host, port=port)
+
+
+def _load_models_and_adapters(model: list[str], adapter: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Parse and load ``--model`` / ``--adapter`` once; a bad one stops the server before it starts."""
+    try:
+        from gaussdp.service.loading import load_causal_lm, load_lora_adapter, parse_named_paths
+
+        model_paths = parse_named_paths("--model", model)
+        adapter_paths = parse_named_paths("--adapter", adapter)
+    except ImportError:
+        typer.echo("--model and --adapter need the 'torch' extra: pip install 'gaussdp[torch]'", err=True)
+        raise typer.Exit(2) from None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    try:
+        models = {name: load_causal_lm(path) for name, path in model_paths.items()}
+        adapters = {name: load_lora_adapter(path) for name, path in adapter_paths.items()}
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    return models, adapters
 
 
 def keys_create(
@@ -201,8 +245,11 @@ def demo(console: Any, out_dir: Path) -> None:
             state *= 177.5 / np.linalg.norm(state)  # document 000: post-transformer hidden norm ~177.5
             released, last = 0, None
             while True:
+                # document 000's relation (Delta_f = C): stated, since the default is replace-one
                 r = http.post(
-                    f"/v1/sessions/{sid}/hidden-state", json={"hidden_state": state.tolist()}, headers=h
+                    f"/v1/sessions/{sid}/hidden-state",
+                    json={"hidden_state": state.tolist(), "neighbouring": "add-remove"},
+                    headers=h,
                 )
                 if r.status_code != 200:
                     last = r
@@ -212,6 +259,7 @@ def demo(console: Any, out_dir: Path) -> None:
             sigma, classical = out["sigma"], classical_sigma(epsilon=1.0, delta=1e-5)
             console.print(
                 f"released {released} noised hidden states (d=1536, clip 1, epsilon=1, delta=1e-5 each, "
+                f"neighbouring={out['neighbouring']}, "
                 f"analytic sigma={sigma:.4f} instead of the classical {classical:.4f}); "
                 f"then HTTP {last.status_code}: {last.json()['detail'][:110]}..."
             )

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from scipy import special
 
+from gaussdp._neighbouring import DEFAULT_HIDDEN_STATE_NEIGHBOURING
 from gaussdp._validate import check_positive
 from gaussdp.errors import InvalidParameter, NotPrivateWarning
 
@@ -201,7 +202,7 @@ class UtilityReport:
     """One point of the privacy/utility curve, averaged over a set of prompts.
 
     ``epsilon_per_token`` is the exact epsilon of one released row at ``delta`` (None without
-    delta); the epsilon of a prompt of T tokens is the composition of T of them.
+    delta) under ``neighbouring``; the epsilon of a prompt of T tokens is the composition of T of them.
     """
 
     clip_norm: float
@@ -218,6 +219,7 @@ class UtilityReport:
     kl: float
     ppl_clean: float
     ppl_private: float
+    neighbouring: str = DEFAULT_HIDDEN_STATE_NEIGHBOURING
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -232,7 +234,7 @@ def utility_report(
     delta: float | None = None,
     layer: Any = None,
     per: str = "token",
-    neighbouring: str = "replace",
+    neighbouring: str = DEFAULT_HIDDEN_STATE_NEIGHBOURING,
     seed: int | None = None,
 ) -> UtilityReport:
     """Run each prompt through the clean model and through a privatized copy of the pass; compare.
@@ -282,9 +284,9 @@ def utility_report(
     try:
         for ids in ids_list:
             with torch.no_grad():
-                with priv.paused():
-                    clean = _logits(model(ids))
-                private = _logits(model(ids))
+                clean = _logits(model(ids))  # the privatizer is not attached: the clean model
+                with priv:
+                    private = _logits(model(ids))
             stats = priv.last_release
             assert stats is not None
             dim = stats.dim
@@ -324,6 +326,7 @@ def utility_report(
         kl=avg([e.kl for e in effects], pw),
         ppl_clean=math.exp(nll_c),
         ppl_private=math.exp(nll_p),
+        neighbouring=priv.neighbouring,
     )
 
 

@@ -1,7 +1,13 @@
 """Privatize the hidden states of a PyTorch model at one layer: clip, charge, noise, release.
 
 :class:`HiddenStatePrivatizer` registers a forward hook on one module (by default the last
-transformer block of a Hugging Face model). Each time the module runs, the hook takes its output
+transformer block of a Hugging Face model) **only while it is active**: inside ``with privatizer:``
+or between :meth:`~HiddenStatePrivatizer.attach` and :meth:`~HiddenStatePrivatizer.detach`.
+Constructing a privatizer changes nothing: the model's forward passes outside that window are the
+clean model's and charge nothing. While the hook is registered it applies to *every* forward pass
+of the module, in any thread (a hook on a module cannot tell its callers apart; privatizing a pass
+that did not ask for it costs budget, leaving one clean that did ask would leak). Each time the
+module runs with the hook active, the hook takes its output
 hidden state, clips every token's vector (or every sequence's whole matrix) to L2 norm ``clip_norm``
 (:func:`gaussdp.clipping.clip_rows`), charges the session's ledger for every vector it is about to
 release, adds Gaussian noise, and returns the noised state in place of the clean one. If the charge
@@ -13,7 +19,11 @@ What is protected (the neighbouring relation)
 The unit released is one row: one token's hidden state (``per="token"``) or one sequence's whole
 hidden-state matrix (``per="sequence"``). Every released row is clipped to ``clip_norm = C``.
 
-* ``neighbouring="replace"`` (default): two requests are neighbours whatever their content; a row
+* ``neighbouring="replace"`` (default, everywhere for hidden states: the privatizer, split mode,
+  the service's ``/hidden-state`` and ``/lora-delta`` and the CLI share
+  :data:`gaussdp._neighbouring.DEFAULT_HIDDEN_STATE_NEIGHBOURING`, so a sigma calibrated with the
+  default is charged the same epsilon on every path): two requests are neighbours whatever their
+  content (a request's rows are always present; what it hides is what they say); a row
   can move from any point of the C-ball to any other, so its L2 sensitivity is ``2C``. Because
   every row of a request is charged (one :class:`~gaussdp.accounting.GaussianEvent` per row,
   composed by the ledger's accountant), the epsilon the ledger reports covers the *whole* request
@@ -42,6 +52,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from gaussdp._neighbouring import (
+    DEFAULT_HIDDEN_STATE_NEIGHBOURING,
+    HIDDEN_STATE_NEIGHBOURINGS,
+    HiddenStateNeighbouring,
+    hidden_state_sensitivity,
+)
 from gaussdp._validate import SetOnce, check_choice, check_delta, check_epsilon, check_positive
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, UnsafeInput
 from gaussdp.inference._layers import resolve_layer, split_output
@@ -49,7 +65,7 @@ from gaussdp.inference._layers import resolve_layer, split_output
 __all__ = ["HiddenStatePrivatizer", "ReleaseStats"]
 
 Per = Literal["token", "sequence"]
-Neighbouring = Literal["replace", "add-remove"]
+Neighbouring = HiddenStateNeighbouring
 
 
 @dataclass(frozen=True)
@@ -142,7 +158,7 @@ class HiddenStatePrivatizer(SetOnce):
         budget: Any = None,
         per: Per = "token",
         accountant: str = "pld",
-        neighbouring: Neighbouring = "replace",
+        neighbouring: Neighbouring = DEFAULT_HIDDEN_STATE_NEIGHBOURING,
         method: str = "analytic",
         noise: str | bool = "secure",
         seed: int | None = None,
@@ -154,12 +170,12 @@ class HiddenStatePrivatizer(SetOnce):
         self._handle: Any = None
         self.clip_norm = check_positive("clip_norm", clip_norm)
         check_choice("per", per, ("token", "sequence"))
-        check_choice("neighbouring", neighbouring, ("replace", "add-remove"))
+        check_choice("neighbouring", neighbouring, HIDDEN_STATE_NEIGHBOURINGS)
         if not isinstance(session_id, str) or not session_id:
             raise InvalidParameter(f"session_id must be a non-empty string, got session_id={session_id!r}")
         self.per: Per = per
         self.neighbouring: Neighbouring = neighbouring
-        self.sensitivity = self.clip_norm * (2.0 if neighbouring == "replace" else 1.0)
+        self.sensitivity = hidden_state_sensitivity(self.clip_norm, neighbouring)
         self.delta = None if delta is None else check_delta(delta)
         self.noise_enabled = noise is not False
         if self.noise_enabled:
@@ -214,9 +230,13 @@ class HiddenStatePrivatizer(SetOnce):
         )
         self.last_release: ReleaseStats | None = None
         self.model = model
+        # Entered ``with`` blocks (any thread) and explicit attach(): the hook is registered while
+        # either holds, and only then (constructing a privatizer must not privatize, nor charge).
+        self._entered = 0
+        self._explicit = False
+        self._attach_lock = threading.Lock()
         if model is not None or isinstance(layer, nn.Module):
             self.layer_path, self.module = resolve_layer(model, layer)
-            self._handle = self.module.register_forward_hook(self._hook)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -234,20 +254,65 @@ class HiddenStatePrivatizer(SetOnce):
 
     @property
     def attached(self) -> bool:
-        """Whether the hook is currently registered."""
+        """Whether the hook is registered now (inside ``with``, or after :meth:`attach`)."""
         return self._handle is not None
 
-    def remove(self) -> None:
-        """Remove the hook; the model is back to its clean forward pass. Idempotent."""
-        if self._handle is not None:
+    def _register(self) -> None:
+        if self.module is None:
+            raise InvalidParameter(
+                "this privatizer has no module to hook (model=None and no layer module): "
+                "use privatize() directly, or pass a model or a module as layer="
+            )
+        if self._handle is None:
+            self._handle = self.module.register_forward_hook(self._hook)
+
+    def _unregister_if_unused(self) -> None:
+        if self._handle is not None and not self._explicit and self._entered == 0:
             self._handle.remove()
             self._handle = None
 
+    def attach(self) -> HiddenStatePrivatizer:
+        """Register the hook until :meth:`detach`: every forward pass of the module is privatized
+        and charged from now on (in every thread). Idempotent; returns ``self``.
+
+        Raises:
+            InvalidParameter: the privatizer was built without a module (``model=None``).
+        """
+        with self._attach_lock:
+            self._register()
+            self._explicit = True
+        return self
+
+    def detach(self) -> None:
+        """Undo :meth:`attach`: the module runs clean again (unless a ``with`` block is still
+        open on this privatizer, which keeps the hook until it exits). Idempotent."""
+        with self._attach_lock:
+            self._explicit = False
+            self._unregister_if_unused()
+
+    def remove(self) -> None:
+        """Remove the hook now, whatever attached it; the model is back to its clean forward pass.
+
+        Idempotent. Open ``with`` blocks stay counted: the hook is registered again on the next
+        :meth:`attach` or ``with``.
+        """
+        with self._attach_lock:
+            self._explicit = False
+            if self._handle is not None:
+                self._handle.remove()
+                self._handle = None
+
     def __enter__(self) -> HiddenStatePrivatizer:
+        """Register the hook for the block (nested and concurrent blocks share one hook)."""
+        with self._attach_lock:
+            self._register()
+            self._entered += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.remove()
+        with self._attach_lock:
+            self._entered = max(0, self._entered - 1)
+            self._unregister_if_unused()
 
     @contextlib.contextmanager
     def session(self, session_id: str) -> Iterator[HiddenStatePrivatizer]:

@@ -1,8 +1,9 @@
 """The privacy/utility sweep of ``gaussdp inference-report``, and its PNG (matplotlib, Agg backend).
 
-For a fixed per-token epsilon the noise is ``sigma = sigma_for(epsilon, delta, 2C)`` (replace-one),
-so the SNR bound ``C / (sigma sqrt(d))`` does not depend on the clip norm C at all: C only decides
-how much of the hidden state clipping throws away. The sweep shows both effects.
+For a fixed per-token epsilon the noise is ``sigma = sigma_for(epsilon, delta, 2C)`` under the default
+relation (replace-one, :mod:`gaussdp._neighbouring`; ``C`` under add-remove), so the SNR bound
+``C / (sigma sqrt(d))`` does not depend on the clip norm C at all: C only decides how much of the
+hidden state clipping throws away. The sweep shows both effects.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gaussdp._extras import require_extra
+from gaussdp._neighbouring import DEFAULT_HIDDEN_STATE_NEIGHBOURING, hidden_state_sensitivity
 from gaussdp.calibration import classical_sigma, epsilon_for, sigma_for
 from gaussdp.inference.diagnostics import SNRFigures, UtilityReport, analytic_snr, measure_snr, utility_report
 
@@ -66,12 +68,13 @@ def document_000(*, rows: int = 256, seed: int | None = None) -> Document000:
     )
 
 
-def tiny_causal_lm(*, seed: int = 0) -> Any:
+def tiny_causal_lm(*, seed: int = 0, vocab_size: int = 100) -> Any:
     """A 2-layer GPT-2 (d=64, vocabulary 100) built from a config: no download, random weights.
 
     The weights are drawn 10x wider than GPT-2's default (``initializer_range=0.2``) so that the
     next-token distribution is far from uniform and KL / agreement figures move visibly; the numbers
-    illustrate the mechanics only. Pass a real checkpoint (``--model PATH``) for real figures.
+    illustrate the mechanics only. Pass a trained model (``--model DIR``, e.g. from
+    ``gaussdp train-tiny-lm DIR``, :mod:`gaussdp.inference.tiny_lm`) for figures that mean something.
     """
     require_extra("hf", feature="the inference report's model")
     import torch
@@ -82,7 +85,7 @@ def tiny_causal_lm(*, seed: int = 0) -> Any:
         n_layer=2,
         n_embd=64,
         n_head=2,
-        vocab_size=100,
+        vocab_size=vocab_size,
         n_positions=128,
         bos_token_id=0,
         eos_token_id=0,
@@ -100,16 +103,26 @@ def sweep(
     delta: float,
     layer: Any = None,
     per: str = "token",
+    neighbouring: str = DEFAULT_HIDDEN_STATE_NEIGHBOURING,
     seed: int | None = None,
 ) -> list[UtilityReport]:
-    """One :func:`utility_report` per (clip norm, per-token epsilon), replace-one calibration."""
+    """One :func:`utility_report` per (clip norm, per-token epsilon), calibrated under ``neighbouring``
+    (default: replace-one, sensitivity 2C, the default of every hidden-state surface)."""
     out = []
     for c in clip_norms:
         for eps in epsilons:
-            sigma = sigma_for(epsilon=eps, delta=delta, sensitivity=2.0 * c)
+            sigma = sigma_for(epsilon=eps, delta=delta, sensitivity=hidden_state_sensitivity(c, neighbouring))
             out.append(
                 utility_report(
-                    model, prompts, clip_norm=c, sigma=sigma, delta=delta, layer=layer, per=per, seed=seed
+                    model,
+                    prompts,
+                    clip_norm=c,
+                    sigma=sigma,
+                    delta=delta,
+                    layer=layer,
+                    per=per,
+                    neighbouring=neighbouring,
+                    seed=seed,
                 )
             )
     return out
@@ -127,6 +140,7 @@ def plot_privacy_utility(
 
     path = Path(path)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    relation = ", ".join(sorted({r.neighbouring for r in reports})) or DEFAULT_HIDDEN_STATE_NEIGHBOURING
     clips = sorted({r.clip_norm for r in reports})
     for c in clips:
         rs = sorted((r for r in reports if r.clip_norm == c), key=lambda r: r.epsilon_per_token or 0.0)
@@ -149,7 +163,7 @@ def plot_privacy_utility(
     axes[2].set_yscale("log")
     for ax in axes:
         ax.set_xscale("log")
-        ax.set_xlabel("epsilon per token (replace-one, exact)")
+        ax.set_xlabel(f"epsilon per token ({relation}, exact)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     if doc is not None:

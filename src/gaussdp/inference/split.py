@@ -74,7 +74,10 @@ def client_forward(
     The forward pass stops right after ``layer`` (later layers are not run). If ``privatizer`` is
     also hooked into the model it is paused during this pass, so only what is returned is charged:
     one row per position sent (``positions="last"``: one per sequence, as in document 000;
-    ``"all"``: every token).
+    ``"all"``: every token). The neighbouring relation is the privatizer's (default replace-one,
+    sensitivity ``2 * clip_norm``, the default of ``/lora-delta`` too): send ``privatizer.sigma``,
+    ``privatizer.clip_norm`` and ``privatizer.neighbouring`` with the rows and the server charges the
+    session exactly the privatizer's per-row epsilon.
 
     Returns:
         The noised hidden state: ``(batch, dim)`` for ``positions="last"`` on a batched state,

@@ -289,9 +289,10 @@ def create_app(
         The server sees the clean hidden state; with an honest-but-curious server use ``/lora-delta``.
         Defaults are document 000's per-request (epsilon=1, delta=1e-5, clip 1), calibrated exactly
         (analytic) instead of with the classical formula. ``neighbouring`` says what the epsilon
-        protects: ``"add-remove"`` (default, sensitivity ``clip_norm``: a state against its absence)
-        or ``"replace"`` (sensitivity ``2 * clip_norm``: any state against any other); the response
-        names it. An exhausted session is refused (409).
+        protects: ``"replace"`` (default, as for the privatizer and ``/lora-delta``: any state
+        against any other, sensitivity ``2 * clip_norm``) or ``"add-remove"`` (sensitivity
+        ``clip_norm``: a state against its absence); the response names it. An exhausted session
+        is refused (409).
         """
         p = owned(tenant, session_id)
         x = _vector(body.hidden_state, body.hidden_state_b64, "hidden_state_b64")
@@ -326,7 +327,8 @@ def create_app(
         **The server cannot verify the client's clipping or noise.** ``clip_norm``, ``sigma`` and
         ``neighbouring`` are the client's declared spend: the session is charged one
         ``GaussianEvent(noise_multiplier=sigma / sensitivity)`` per row (sensitivity ``2 * clip_norm``
-        for ``"replace"``, ``clip_norm`` for ``"add-remove"``), all rows in one atomic charge before
+        for ``"replace"``, the default everywhere for hidden states, ``clip_norm`` for
+        ``"add-remove"``; the response names it), all rows in one atomic charge before
         answering, so that the session's budget is enforced (409 once it cannot pay; nothing is
         answered then). The charge records a claim, it does not make unnoised rows private. A delta
         that overflows (float64, or float32 for ``noised_b64``) is refused with 422, uncharged.
@@ -373,7 +375,9 @@ def create_app(
 
 def _sensitivity(clip_norm: float, neighbouring: str) -> float:
     """L2 sensitivity of one row clipped to ``clip_norm``: 2C under replace, C under add/remove."""
-    return clip_norm * (2.0 if neighbouring == "replace" else 1.0)
+    from gaussdp._neighbouring import hidden_state_sensitivity
+
+    return hidden_state_sensitivity(clip_norm, neighbouring)
 
 
 def _clip(x: np.ndarray, clip_norm: float) -> np.ndarray:

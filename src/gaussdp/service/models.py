@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gaussdp._neighbouring import DEFAULT_HIDDEN_STATE_NEIGHBOURING, HiddenStateNeighbouring
+
 __all__ = [
     "BudgetIn",
     "HiddenStateIn",
@@ -27,7 +29,12 @@ AccountantName = Literal["pld", "rdp", "advanced", "basic"]
 Vector = Annotated[list[Finite], Field(min_length=1, max_length=MAX_DIM)]
 Base64 = Annotated[str, Field(min_length=4, max_length=(MAX_DIM * 4 * 4) // 3 + 4)]
 Rows = Annotated[list[Vector], Field(min_length=1, max_length=MAX_ROWS)]
-Neighbouring = Literal["replace", "add-remove"]
+Neighbouring = HiddenStateNeighbouring
+_RELATION_HELP = (
+    "Neighbouring relation the epsilon is for: 'replace' (default everywhere for hidden states, as in "
+    "gaussdp.inference: any state against any other, sensitivity 2 * clip_norm) or 'add-remove' (a "
+    "state against its absence, the zero vector; sensitivity clip_norm, document 000's Delta_f)."
+)
 IdempotencyKey = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")]
 
 
@@ -121,12 +128,7 @@ class HiddenStateIn(_Noise):
     epsilon: float | None = Field(1.0, gt=0, le=100, allow_inf_nan=False, description="Per-request epsilon.")
     delta: float | None = Field(1e-5, gt=0, lt=1, allow_inf_nan=False, description="Per-request delta.")
     clip_norm: float = Field(1.0, gt=0, le=1e6, allow_inf_nan=False, description="L2 clip norm.")
-    neighbouring: Neighbouring = Field(
-        "add-remove",
-        description="What the epsilon protects: 'add-remove' (a state against its absence, the zero "
-        "vector; sensitivity clip_norm, document 000's Delta_f) or 'replace' (any state against any "
-        "other; sensitivity 2 * clip_norm).",
-    )
+    neighbouring: Neighbouring = Field(DEFAULT_HIDDEN_STATE_NEIGHBOURING, description=_RELATION_HELP)
 
     @model_validator(mode="after")
     def _one_state(self) -> HiddenStateIn:
@@ -169,9 +171,8 @@ class LoraDeltaIn(_Strict):
     clip_norm: float = Field(gt=0, le=1e6, allow_inf_nan=False, description="Each row's L2 clip.")
     sigma: float = Field(gt=0, le=1e12, allow_inf_nan=False, description="Std of the noise the client added.")
     neighbouring: Neighbouring = Field(
-        "replace",
-        description="Relation of the client's privatizer: 'replace' (sensitivity 2 * clip_norm, the "
-        "default of gaussdp.inference) or 'add-remove' (sensitivity clip_norm).",
+        DEFAULT_HIDDEN_STATE_NEIGHBOURING,
+        description="Relation of the client's privatizer. " + _RELATION_HELP,
     )
     idempotency_key: IdempotencyKey | None = Field(
         None, description="A retried request with the same key is charged once (and answered once)."
@@ -192,7 +193,7 @@ class LoraDeltaOut(BaseModel):
     rows: int = Field(description="Rows answered, and charged.")
     d_out: int
     adapter: str
-    neighbouring: Neighbouring
+    neighbouring: Neighbouring = Field(description="The relation the charge was computed for.")
     sensitivity: float
     noise_multiplier: float = Field(description="sigma / sensitivity of each row's charged GaussianEvent.")
     charge_id: int
