@@ -223,3 +223,17 @@ def test_oversized_bodies_are_413_without_reading_them(service, client) -> None:
     r = client.post(f"/v1/sessions/{sid}/release", content=chunks(), headers=h)
     assert r.status_code == 413 and "max_body_bytes" in r.json()["detail"]
     assert client.get(f"/v1/sessions/{sid}", headers=h).json()["charges"] == 0
+
+
+def test_readyz_reaches_the_sqlite_ledger_and_healthz_does_not(client, service) -> None:  # type: ignore[no-untyped-def]
+    assert client.get("/readyz").json() == {"status": "ok"}
+    service.ledger.store.close()  # every pooled connection closed: the next query cannot run
+    import sqlite3
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise sqlite3.OperationalError("unable to open database file")
+
+    service.ledger.store._connect = broken  # what a deleted directory or a full disk looks like
+    r = client.get("/readyz")
+    assert r.status_code == 503 and r.json()["error"] == "database_unavailable"
+    assert client.get("/healthz").status_code == 200

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from gaussdp.budget._types import Budget, ChargeRecord, Receipt, Spent
 from gaussdp.budget.ledger import Ledger
-from gaussdp.budget.store import LedgerContention, PrincipalConflict, UnknownPrincipal
+from gaussdp.budget.store import LedgerContention, PrincipalConflict, StoreUnavailable, UnknownPrincipal
 from gaussdp.budget.trackers import BudgetState, PrivacyAccountant, PrivacyBudgetTracker, PrivacyExpenditure
 from gaussdp.errors import BudgetExhausted
 
@@ -28,5 +28,6 @@ __all__ = [
     "PrivacyExpenditure",
     "Receipt",
     "Spent",
+    "StoreUnavailable",
     "UnknownPrincipal",
 ]

@@ -101,5 +101,8 @@ class MemoryStore:
             self._keys[key_id] = ApiKeyRow(row.key_id, row.tenant, row.key_hash, row.created_at, True)
             return True
 
+    def ping(self) -> None:
+        """Always reachable (it is this process)."""
+
     def close(self) -> None:
         pass

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from gaussdp.budget.store import (
@@ -22,12 +24,22 @@ from gaussdp.budget.store import (
     Decide,
     PrincipalRow,
     StoredCharge,
+    StoreUnavailable,
     UnknownPrincipal,
     replayed_charge,
 )
 from gaussdp.errors import InvalidParameter
 
 __all__ = ["PostgresStore"]
+
+T = TypeVar("T")
+
+# A broken connection (server restarted, backend terminated, network cut) is retried this many times
+# in all, with exponential back-off from _BACKOFF_S, for work that is safe to repeat: reads, and
+# charges whose write had not been sent yet. A charge whose write may have reached the server is
+# never retried (it could be charged twice): it fails with StoreUnavailable (503).
+_ATTEMPTS = 3
+_BACKOFF_S = 0.05
 
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -126,16 +138,23 @@ def others_fingerprint(others: tuple[tuple[str, int], ...]) -> str:
 class PostgresStore:
     """A connection pool to one PostgreSQL database; the tables live in ``schema`` (default public)."""
 
-    def __init__(self, conninfo: str, *, schema: str = "public", pool_size: int = 16) -> None:
+    def __init__(
+        self, conninfo: str, *, schema: str = "public", pool_size: int = 16, pool_timeout_s: float = 10.0
+    ) -> None:
         try:
-            from psycopg_pool import ConnectionPool
+            import psycopg
+            from psycopg_pool import ConnectionPool, PoolTimeout
         except ImportError:  # pragma: no cover - depends on the environment
             raise ImportError(
                 "a PostgreSQL ledger needs psycopg 3 and psycopg_pool: pip install 'gaussdp[service]'"
             ) from None
         if not _IDENT.match(schema):
             raise InvalidParameter(f"schema must be a lower-case SQL identifier, got schema={schema!r}")
+        if not pool_timeout_s > 0:
+            raise InvalidParameter(f"pool_timeout_s must be > 0, got pool_timeout_s={pool_timeout_s!r}")
         self.schema = schema
+        self._operational_error: type[Exception] = psycopg.OperationalError
+        self._pool_timeout: type[Exception] = PoolTimeout
         self._pool = ConnectionPool(
             conninfo,
             min_size=1,
@@ -143,6 +162,10 @@ class PostgresStore:
             kwargs={"autocommit": True},
             open=True,
             name="gaussdp-ledger",
+            # Every connection is checked (one empty round trip) before it is handed out: connections
+            # the server closed (restart, pg_terminate_backend) are replaced instead of failing requests.
+            check=ConnectionPool.check_connection,
+            timeout=float(pool_timeout_s),  # a request waits at most this long for a connection
         )
         s = schema
         self._sql = {
@@ -160,7 +183,7 @@ class PostgresStore:
             "principal": f"SELECT epsilon, delta, accountant, created_at FROM {s}.gdp_principals "
             "WHERE principal = %s",
         }
-        with self._pool.connection() as conn, conn.transaction():
+        with self._connection() as conn, conn.transaction():
             # Concurrent first opens would race on CREATE TABLE IF NOT EXISTS: serialise them.
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"gaussdp-ledger-{schema}",))
             for statement in _SCHEMA.format(s=schema).split(";"):
@@ -179,51 +202,108 @@ class PostgresStore:
         query = parse_qsl(parts.query, keep_blank_values=True)
         schema = next((v for k, v in query if k == "schema"), "public")
         pool_size = int(next((v for k, v in query if k == "pool_size"), "16"))
-        rest = [(k, v) for k, v in query if k not in ("schema", "pool_size")]
-        return cls(urlunsplit(parts._replace(query=urlencode(rest))), schema=schema, pool_size=pool_size)
+        pool_timeout_s = float(next((v for k, v in query if k == "pool_timeout_s"), "10"))
+        rest = [(k, v) for k, v in query if k not in ("schema", "pool_size", "pool_timeout_s")]
+        return cls(
+            urlunsplit(parts._replace(query=urlencode(rest))),
+            schema=schema,
+            pool_size=pool_size,
+            pool_timeout_s=pool_timeout_s,
+        )
+
+    @contextmanager
+    def _connection(self, timeout: float | None = None) -> Iterator[Any]:
+        """A checked connection from the pool; a broken or unreachable database is StoreUnavailable."""
+        try:
+            with self._pool.connection(timeout=timeout) as conn:
+                yield conn
+        except self._operational_error as exc:
+            raise StoreUnavailable(f"the PostgreSQL ledger cannot be reached: {exc}") from exc
+
+    def _retrying(self, work: Callable[[Any], T]) -> T:
+        """Run ``work(conn)`` (safe to repeat), retrying on a broken connection a bounded number of times."""
+        for attempt in range(_ATTEMPTS):
+            try:
+                with self._connection() as conn:
+                    return work(conn)
+            except StoreUnavailable as exc:
+                # the pool already waited its timeout for a connection: do not wait again
+                if attempt + 1 == _ATTEMPTS or isinstance(exc.__cause__, self._pool_timeout):
+                    raise
+                time.sleep(_BACKOFF_S * 2**attempt)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def ping(self) -> None:
+        """One round trip to the database within 2 s (a readiness probe)."""
+        with self._connection(timeout=2.0) as conn:
+            conn.execute("SELECT 1").fetchone()
 
     def open_principal(self, principal: str, epsilon: float, delta: float, accountant: str) -> PrincipalRow:
-        with self._pool.connection() as conn:
+        now = time.time()
+
+        def work(conn: Any) -> Any:  # idempotent (ON CONFLICT DO NOTHING): safe to retry
             conn.execute(
                 f"INSERT INTO {self.schema}.gdp_principals "
                 "(principal, epsilon, delta, accountant, created_at) "
                 "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (principal) DO NOTHING",
-                (principal, epsilon, delta, accountant, time.time()),
+                (principal, epsilon, delta, accountant, now),
             )
-            r = conn.execute(self._sql["principal"], (principal,)).fetchone()
+            return conn.execute(self._sql["principal"], (principal,)).fetchone()
+
+        r = self._retrying(work)
         assert r is not None
         return PrincipalRow(principal, r[0], r[1], r[2], r[3])
 
     def get_principal(self, principal: str) -> PrincipalRow | None:
-        with self._pool.connection() as conn:
-            r = conn.execute(self._sql["principal"], (principal,)).fetchone()
+        r = self._retrying(lambda conn: conn.execute(self._sql["principal"], (principal,)).fetchone())
         return None if r is None else PrincipalRow(principal, r[0], r[1], r[2], r[3])
 
     def list_principals(self, prefix: str = "") -> list[str]:
-        with self._pool.connection() as conn:
-            rows = conn.execute(
+        rows = self._retrying(
+            lambda conn: conn.execute(
                 f"SELECT principal FROM {self.schema}.gdp_principals WHERE left(principal, %s) = %s "
                 "ORDER BY principal",
                 (len(prefix), prefix),
             ).fetchall()
+        )
         return [r[0] for r in rows]
 
     def groups(self, principal: str) -> dict[str, int]:
-        with self._pool.connection() as conn, conn.transaction():
-            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-            if conn.execute(self._sql["principal"], (principal,)).fetchone() is None:
-                raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
-            rows = conn.execute(self._sql["groups"], (principal,)).fetchall()
-        return {k: int(c) for k, c in rows}
+        def work(conn: Any) -> Any:
+            with conn.transaction():
+                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                if conn.execute(self._sql["principal"], (principal,)).fetchone() is None:
+                    raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
+                return conn.execute(self._sql["groups"], (principal,)).fetchall()
+
+        return {k: int(c) for k, c in self._retrying(work)}
 
     def charge(
         self, principal: str, event_key: str, idempotency_key: str | None, decide: Decide
+    ) -> StoredCharge:
+        for attempt in range(_ATTEMPTS):
+            sent = [False]  # whether the write may have reached the server
+            try:
+                return self._charge_once(principal, event_key, idempotency_key, decide, sent)
+            except StoreUnavailable as exc:
+                if sent[0] or attempt + 1 == _ATTEMPTS or isinstance(exc.__cause__, self._pool_timeout):
+                    raise
+                time.sleep(_BACKOFF_S * 2**attempt)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _charge_once(
+        self,
+        principal: str,
+        event_key: str,
+        idempotency_key: str | None,
+        decide: Decide,
+        sent: list[bool],
     ) -> StoredCharge:
         # Pipeline mode: BEGIN, the lock, the idempotency lookup and the history read go to the server
         # in one round trip, the write and COMMIT in a second. The server still runs them in order:
         # each SELECT after the lock takes its snapshot (READ COMMITTED) only once the lock is granted,
         # so the history it reads is current. (A join inside the locking statement would not be.)
-        with self._pool.connection() as conn, conn.pipeline() as pipe:
+        with self._connection() as conn, conn.pipeline() as pipe:
             with conn.transaction():
                 lock = conn.execute(self._sql["lock"], (principal,))  # the principal's row lock
                 by_key = (
@@ -244,6 +324,7 @@ class PostgresStore:
                 groups = {k: int(c) for k, c in hist.fetchall()}
                 within = decide(row, groups)  # may raise: leaving the transaction block rolls back
                 now = time.time()
+                sent[0] = True
                 write = conn.execute(
                     self._sql["write"],
                     (principal, event_key, principal, event_key, idempotency_key, now, within),
@@ -264,9 +345,10 @@ class PostgresStore:
         """One round trip: charge if the other events are still ``others`` and ``count + 1 <= allowed``.
 
         Returns ``(charge, new_count)``, or ``None`` when the general :meth:`charge` must decide.
+        Not retried on a broken connection (the one statement both decides and writes).
         """
         now = time.time()
-        with self._pool.connection() as conn:
+        with self._connection() as conn:
             r = conn.execute(
                 f"SELECT * FROM {self.schema}.gdp_charge_fast(%s, %s, %s, %s, %s, %s)",
                 (principal, event_key, idempotency_key, others_fingerprint(others), int(allowed), now),
@@ -294,12 +376,11 @@ class PostgresStore:
         if limit is not None:
             sql += " LIMIT %s"
             args = (principal, int(limit))
-        with self._pool.connection() as conn:
-            rows = conn.execute(sql, args).fetchall()
+        rows = self._retrying(lambda conn: conn.execute(sql, args).fetchall())
         return [StoredCharge(int(r[0]), principal, r[1], r[2], r[3], bool(r[4])) for r in reversed(rows)]
 
     def put_api_key(self, row: ApiKeyRow) -> None:
-        with self._pool.connection() as conn:
+        with self._connection() as conn:
             conn.execute(
                 f"INSERT INTO {self.schema}.gdp_api_keys (key_id, tenant, key_hash, created_at, revoked) "
                 "VALUES (%s, %s, %s, %s, %s)",
@@ -307,28 +388,32 @@ class PostgresStore:
             )
 
     def get_api_key(self, key_id: str) -> ApiKeyRow | None:
-        with self._pool.connection() as conn:
-            r = conn.execute(
+        r = self._retrying(
+            lambda conn: conn.execute(
                 f"SELECT key_id, tenant, key_hash, created_at, revoked FROM {self.schema}.gdp_api_keys "
                 "WHERE key_id = %s",
                 (key_id,),
             ).fetchone()
+        )
         return None if r is None else ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4]))
 
     def list_api_keys(self) -> list[ApiKeyRow]:
-        with self._pool.connection() as conn:
-            rows = conn.execute(
+        rows = self._retrying(
+            lambda conn: conn.execute(
                 f"SELECT key_id, tenant, key_hash, created_at, revoked FROM {self.schema}.gdp_api_keys "
                 "ORDER BY tenant, created_at"
             ).fetchall()
+        )
         return [ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4])) for r in rows]
 
     def revoke_api_key(self, key_id: str) -> bool:
-        with self._pool.connection() as conn:
+        def work(conn: Any) -> bool:  # idempotent
             cur = conn.execute(
                 f"UPDATE {self.schema}.gdp_api_keys SET revoked = TRUE WHERE key_id = %s", (key_id,)
             )
-            return cur.rowcount > 0
+            return bool(cur.rowcount > 0)
+
+        return self._retrying(work)
 
     def close(self) -> None:
         self._pool.close()

@@ -23,6 +23,7 @@ from gaussdp.budget.store import (
     Decide,
     PrincipalRow,
     StoredCharge,
+    StoreUnavailable,
     UnknownPrincipal,
     replayed_charge,
 )
@@ -281,6 +282,14 @@ class SQLiteStore:
         with self._conn() as conn:
             cur = conn.execute("UPDATE gdp_api_keys SET revoked = 1 WHERE key_id = ?", (key_id,))
             return cur.rowcount > 0
+
+    def ping(self) -> None:
+        """Read the database file (a trivial query on a pooled connection)."""
+        try:
+            with self._conn() as conn:
+                conn.execute("SELECT count(*) FROM gdp_principals WHERE 0").fetchone()
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"the SQLite ledger {self.path!r} cannot be read: {exc}") from exc
 
     def close(self) -> None:
         while True:

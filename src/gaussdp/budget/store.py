@@ -25,6 +25,7 @@ __all__ = [
     "PrincipalConflict",
     "PrincipalRow",
     "Store",
+    "StoreUnavailable",
     "StoredCharge",
     "UnknownPrincipal",
     "open_store",
@@ -45,6 +46,14 @@ class PrincipalConflict(InvalidParameter):
 class LedgerContention(PrivacyError):
     """A charge was retried too often because concurrent charges kept changing the principal's
     history under it; nothing was charged, and retrying later is safe."""
+
+
+class StoreUnavailable(RuntimeError):
+    """The ledger's database cannot be reached (or the connection broke mid-request).
+
+    Fail closed: whatever was being released is not released. A charge whose connection broke after
+    its write was sent may or may not be on record (budget lost at worst, never privacy).
+    """
 
 
 class UnknownPrincipal(KeyError):
@@ -115,6 +124,9 @@ class Store(Protocol):
     def list_api_keys(self) -> list[ApiKeyRow]: ...
 
     def revoke_api_key(self, key_id: str) -> bool: ...
+
+    def ping(self) -> None:
+        """Reach the database with a trivial query; raise :class:`StoreUnavailable` when it cannot."""
 
     def close(self) -> None: ...
 

@@ -6,7 +6,9 @@ release (``BudgetExhausted``: nothing was charged or released), an idempotency k
 used for a release, or concurrent charges kept moving the session's history (``ledger_contention``,
 with ``Retry-After``); 413 request body over ``max_body_bytes``; 422 invalid arguments, naming them,
 or a request that needs more than ``cpu_limit_s`` of numeric work (``work_limit_exceeded``; nothing
-charged).
+charged); 503 the ledger's database cannot be reached (``database_unavailable``, with ``Retry-After``;
+nothing released). ``/healthz`` is liveness only (the process answers); ``/readyz`` reaches the
+database and answers 503 while it cannot.
 
 Split mode (document 000) has two endpoints. ``/hidden-state`` is for a TRUSTED server: it receives
 the clean hidden state, clips and noises it itself. ``/lora-delta`` is for an honest-but-curious
@@ -41,6 +43,7 @@ from gaussdp.budget import (
     Ledger,
     LedgerContention,
     PrincipalConflict,
+    StoreUnavailable,
     UnknownPrincipal,
 )
 from gaussdp.errors import PrivacyError, WorkLimitExceeded
@@ -216,10 +219,38 @@ def create_app(
     async def _invalid(request: Request, exc: PrivacyError) -> JSONResponse:
         return JSONResponse({"detail": str(exc), "error": type(exc).__name__}, status_code=422)
 
+    @app.exception_handler(StoreUnavailable)
+    async def _unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        logger.warning("ledger database unavailable: %s", exc)
+        return JSONResponse(
+            {
+                "detail": "the ledger's database cannot be reached; nothing was released",
+                "error": "database_unavailable",
+            },
+            status_code=503,
+            headers={"Retry-After": "1"},
+        )
+
     @app.get("/healthz", tags=["meta"])
     def healthz() -> dict[str, str]:
-        """Liveness probe (no key needed)."""
+        """Liveness probe (no key needed): the process answers; the database is not consulted."""
         return {"status": "ok"}
+
+    @app.get(
+        "/readyz",
+        tags=["meta"],
+        responses={503: {"description": "The ledger's database cannot be reached."}},
+    )
+    def readyz() -> JSONResponse:
+        """Readiness probe (no key needed): one round trip to the ledger's database (at most 2 s)."""
+        try:
+            ping = getattr(led.store, "ping", None)
+            if ping is not None:
+                ping()
+        except StoreUnavailable as exc:
+            logger.warning("readiness: %s", exc)
+            return JSONResponse({"status": "unavailable", "error": "database_unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.post("/v1/sessions", status_code=201, response_model=SessionOut, tags=["sessions"])
     @bounded
