@@ -196,7 +196,9 @@ class Ledger:
         return self.store.list_principals(prefix)
 
     # -- charging ----------------------------------------------------------------------------------
-    def charge(self, principal: str, event: Any, idempotency_key: str | None = None) -> Receipt:
+    def charge(
+        self, principal: str, event: Any, idempotency_key: str | None = None, *, key_id: str | None = None
+    ) -> Receipt:
         """Atomically charge ``event`` to ``principal`` if the composed spend stays within budget.
 
         Args:
@@ -204,6 +206,7 @@ class Ledger:
             event: a ``gaussdp.accounting`` event (e.g. ``mechanism.event``).
             idempotency_key: a retried call with the same key is charged once and returns the earlier
                 receipt with ``replayed=True`` (nothing new may be released under a replayed receipt).
+            key_id: who made the charge (the service's API key id, not secret), kept with it for audit.
 
         Returns:
             A :class:`Receipt`, written durably before this method returns.
@@ -216,6 +219,8 @@ class Ledger:
         """
         key = event_key(event)
         idempotency_key = check_idempotency_key(idempotency_key)
+        if key_id is not None:
+            check_idempotency_key(key_id)  # same rules: a short printable string
         row = self._row(principal)
         self._composer._event(key)  # parse (and validate) the event before taking any lock
         # Decide outside the store's lock, from the last history this process saw (or a snapshot):
@@ -231,7 +236,7 @@ class Ledger:
             # round trip; anything else (changed history, exhaustion, warn) takes the general path.
             others = tuple(sorted((k, c) for k, c in last.items() if k != key))
             if all(c <= box.get(k, 0) for k, c in others):
-                done = fast(principal, key, idempotency_key, others, box[key])
+                done = fast(principal, key, idempotency_key, others, box[key], key_id=key_id)
                 if done is not None:
                     stored, count = done
                     if not stored.replayed:
@@ -240,7 +245,11 @@ class Ledger:
         for _ in range(_MAX_ATTEMPTS if stored is None else 0):
             try:
                 stored = self.store.charge(
-                    principal, key, idempotency_key, self._decide(principal, row, key, plan, after)
+                    principal,
+                    key,
+                    idempotency_key,
+                    self._decide(principal, row, key, plan, after),
+                    key_id=key_id,
                 )
                 break
             except _Stale as stale:  # the history moved under the lock: decide again, outside it
@@ -399,22 +408,47 @@ class Ledger:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
             raise InvalidParameter(f"limit must be a non-negative int or None, got limit={limit!r}")
         self._row(principal)
-        return [
-            ChargeRecord(
-                c.charge_id,
-                c.principal,
-                event_dict(c.event_key),
-                c.idempotency_key,
-                c.created_at,
-                c.within_budget,
-            )
-            for c in self.store.history(principal, limit)
-        ]
+        return [_record(c) for c in self.store.history(principal, limit)]
+
+    def history_page(self, principal: str, *, after: int = 0, limit: int = 100) -> list[ChargeRecord]:
+        """At most ``limit`` charges of ``principal`` with ``charge_id > after``, oldest first.
+
+        Pages through a long history at a bounded cost per call: pass the last ``charge_id`` seen.
+        """
+        _check_page(after, limit)
+        self._row(principal)
+        return [_record(c) for c in self.store.charges_after(principal, after, limit, exact=True)]
+
+    def export(self, prefix: str, *, after: int = 0, limit: int = 1000) -> list[ChargeRecord]:
+        """At most ``limit`` charges of every principal starting with ``prefix``, ``charge_id > after``,
+        by ``charge_id`` (an audit export, one page at a time)."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got prefix={prefix!r}")
+        _check_page(after, limit)
+        return [_record(c) for c in self.store.charges_after(prefix, after, limit)]
 
     def events(self, principal: str) -> list[tuple[Any, int]]:
         """The distinct events charged to ``principal`` with their counts (what the accountant composes)."""
         self._row(principal)
         return [(self._composer._event(k), c) for k, c in sorted(self.store.groups(principal).items())]
+
+
+def _check_page(after: object, limit: object) -> None:
+    for name, value, low in (("after", after, 0), ("limit", limit, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise InvalidParameter(f"{name} must be an int >= {low}, got {name}={value!r}")
+
+
+def _record(c: StoredCharge) -> ChargeRecord:
+    return ChargeRecord(
+        c.charge_id,
+        c.principal,
+        event_dict(c.event_key),
+        c.idempotency_key,
+        c.created_at,
+        c.within_budget,
+        c.key_id,
+    )
 
 
 def _receipt(stored: StoredCharge, composed: tuple[tuple[str, int], ...] | None) -> Receipt:

@@ -54,7 +54,12 @@ class MemoryStore:
             return dict(self._groups[principal])
 
     def charge(
-        self, principal: str, event_key: str, idempotency_key: str | None, decide: Decide
+        self,
+        principal: str,
+        event_key: str,
+        idempotency_key: str | None,
+        decide: Decide,
+        key_id: str | None = None,
     ) -> StoredCharge:
         with self._lock:
             row = self._principals.get(principal)
@@ -66,7 +71,9 @@ class MemoryStore:
                     return replayed_charge(earlier, event_key)
             groups = self._groups[principal]
             within = decide(row, groups)  # may raise: nothing below runs, nothing is recorded
-            charge = StoredCharge(self._next_id, principal, event_key, idempotency_key, time.time(), within)
+            charge = StoredCharge(
+                self._next_id, principal, event_key, idempotency_key, time.time(), within, key_id=key_id
+            )
             self._next_id += 1
             groups[event_key] = groups.get(event_key, 0) + 1
             self._charges[principal].append(charge)
@@ -80,6 +87,22 @@ class MemoryStore:
                 raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
             charges = self._charges[principal]
             return list(charges if limit is None else charges[-limit:])
+
+    def charges_after(
+        self, prefix: str, after_id: int, limit: int, *, exact: bool = False
+    ) -> list[StoredCharge]:
+        with self._lock:
+            if exact:
+                found = [c for c in self._charges.get(prefix, []) if c.charge_id > after_id]
+            else:
+                found = [
+                    c
+                    for p, cs in self._charges.items()
+                    if p.startswith(prefix)
+                    for c in cs
+                    if c.charge_id > after_id
+                ]
+            return sorted(found, key=lambda c: c.charge_id)[:limit]
 
     def put_api_key(self, row: ApiKeyRow) -> None:
         with self._lock:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from gaussdp.budget.schema import upgrade_postgres
 from gaussdp.budget.store import (
     ApiKeyRow,
     Decide,
@@ -42,89 +43,6 @@ _ATTEMPTS = 3
 _BACKOFF_S = 0.05
 
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
-
-_SCHEMA = """
-CREATE SCHEMA IF NOT EXISTS {s};
-CREATE TABLE IF NOT EXISTS {s}.gdp_principals (
-    principal TEXT PRIMARY KEY,
-    epsilon DOUBLE PRECISION NOT NULL,
-    delta DOUBLE PRECISION NOT NULL,
-    accountant TEXT NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL
-);
-CREATE TABLE IF NOT EXISTS {s}.gdp_spent (
-    principal TEXT NOT NULL REFERENCES {s}.gdp_principals(principal),
-    event_key TEXT NOT NULL,
-    count BIGINT NOT NULL CHECK (count > 0),
-    PRIMARY KEY (principal, event_key)
-);
-CREATE TABLE IF NOT EXISTS {s}.gdp_charges (
-    id BIGSERIAL PRIMARY KEY,
-    principal TEXT NOT NULL REFERENCES {s}.gdp_principals(principal),
-    event_key TEXT NOT NULL,
-    idempotency_key TEXT,
-    created_at DOUBLE PRECISION NOT NULL,
-    within_budget BOOLEAN NOT NULL,
-    UNIQUE (principal, idempotency_key)
-);
-CREATE INDEX IF NOT EXISTS gdp_charges_principal ON {s}.gdp_charges (principal, id);
-CREATE TABLE IF NOT EXISTS {s}.gdp_api_keys (
-    key_id TEXT PRIMARY KEY,
-    tenant TEXT NOT NULL,
-    key_hash TEXT NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL,
-    revoked BOOLEAN NOT NULL DEFAULT FALSE
-)
-"""
-
-# One round trip for the common charge: the ledger already knows, from the last history it saw, the
-# other events of the principal and how many of this event they leave room for (``allowed``). The
-# function re-checks both under the row lock (the fingerprint of the other events must match) and
-# answers 'slow' whenever anything differs, so the caller falls back to the general transaction.
-# A VOLATILE function takes a new snapshot per statement: the history is read after the lock.
-_FAST_CHARGE = """
-CREATE OR REPLACE FUNCTION {s}.gdp_charge_fast(
-    p_principal TEXT, p_key TEXT, p_idem TEXT, p_others_md5 TEXT, p_allowed BIGINT, p_now DOUBLE PRECISION
-) RETURNS TABLE (o_status TEXT, o_id BIGINT, o_created DOUBLE PRECISION, o_within BOOLEAN,
-                 o_count BIGINT, o_key TEXT)
-LANGUAGE plpgsql VOLATILE AS $fn$
-#variable_conflict use_column
-DECLARE
-    v_count BIGINT;
-    v_others TEXT;
-    v_id BIGINT;
-BEGIN
-    PERFORM 1 FROM {s}.gdp_principals p WHERE p.principal = p_principal FOR UPDATE;
-    IF NOT FOUND THEN
-        RETURN QUERY SELECT 'unknown'::TEXT, NULL::BIGINT, NULL::DOUBLE PRECISION, NULL::BOOLEAN,
-                            NULL::BIGINT, NULL::TEXT;
-        RETURN;
-    END IF;
-    IF p_idem IS NOT NULL THEN
-        RETURN QUERY SELECT 'replay'::TEXT, c.id, c.created_at, c.within_budget, NULL::BIGINT, c.event_key
-            FROM {s}.gdp_charges c WHERE c.principal = p_principal AND c.idempotency_key = p_idem;
-        IF FOUND THEN
-            RETURN;
-        END IF;
-    END IF;
-    SELECT coalesce(max(g.count) FILTER (WHERE g.event_key = p_key), 0),
-           md5(coalesce(string_agg(g.event_key || ':' || g.count::TEXT, ',' ORDER BY g.event_key COLLATE "C")
-                        FILTER (WHERE g.event_key <> p_key), ''))
-        INTO v_count, v_others
-        FROM {s}.gdp_spent g WHERE g.principal = p_principal;
-    IF v_others <> p_others_md5 OR v_count + 1 > p_allowed THEN
-        RETURN QUERY SELECT 'slow'::TEXT, NULL::BIGINT, NULL::DOUBLE PRECISION, NULL::BOOLEAN,
-                            NULL::BIGINT, NULL::TEXT;
-        RETURN;
-    END IF;
-    INSERT INTO {s}.gdp_spent AS g (principal, event_key, count) VALUES (p_principal, p_key, 1)
-        ON CONFLICT (principal, event_key) DO UPDATE SET count = g.count + 1;
-    INSERT INTO {s}.gdp_charges (principal, event_key, idempotency_key, created_at, within_budget)
-        VALUES (p_principal, p_key, p_idem, p_now, TRUE) RETURNING id INTO v_id;
-    RETURN QUERY SELECT 'ok'::TEXT, v_id, p_now, TRUE, v_count + 1, p_key;
-END
-$fn$
-"""
 
 
 def others_fingerprint(others: tuple[tuple[str, int], ...]) -> str:
@@ -172,29 +90,24 @@ class PostgresStore:
             "lock": f"SELECT epsilon, delta, accountant, created_at FROM {s}.gdp_principals "
             "WHERE principal = %s FOR UPDATE",
             "groups": f"SELECT event_key, count FROM {s}.gdp_spent WHERE principal = %s",
-            "by_key": f"SELECT id, event_key, created_at, within_budget FROM {s}.gdp_charges "
+            "by_key": f"SELECT id, event_key, created_at, within_budget, key_id FROM {s}.gdp_charges "
             "WHERE principal = %s AND idempotency_key = %s",
             # One statement writes both the grouped count and the charge log row.
             "write": f"WITH up AS (INSERT INTO {s}.gdp_spent (principal, event_key, count) "
             "VALUES (%s, %s, 1) "
             f"ON CONFLICT (principal, event_key) DO UPDATE SET count = {s}.gdp_spent.count + 1) "
-            f"INSERT INTO {s}.gdp_charges (principal, event_key, idempotency_key, created_at, within_budget) "
-            "VALUES (%s, %s, %s, %s, %s) RETURNING id",
+            f"INSERT INTO {s}.gdp_charges "
+            "(principal, event_key, idempotency_key, created_at, within_budget, key_id) "
+            "VALUES (%s, %s, %s, %s, %s, %s) RETURNING id",
             "principal": f"SELECT epsilon, delta, accountant, created_at FROM {s}.gdp_principals "
             "WHERE principal = %s",
         }
-        with self._connection() as conn, conn.transaction():
-            # Concurrent first opens would race on CREATE TABLE IF NOT EXISTS: serialise them.
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"gaussdp-ledger-{schema}",))
-            for statement in _SCHEMA.format(s=schema).split(";"):
-                if statement.strip():
-                    conn.execute(statement)
-            exists = conn.execute(
-                "SELECT to_regprocedure(%s)",
-                (f"{schema}.gdp_charge_fast(text,text,text,text,bigint,double precision)",),
-            ).fetchone()
-            if exists is None or exists[0] is None:  # replacing it on every open would churn the catalog
-                conn.execute(_FAST_CHARGE.replace("{s}", schema))
+        try:
+            with self._connection() as conn:  # tables and the charge function: budget/migrations
+                upgrade_postgres(conninfo, schema, conn)
+        except BaseException:
+            self._pool.close()
+            raise
 
     @classmethod
     def from_url(cls, url: str) -> PostgresStore:
@@ -279,12 +192,17 @@ class PostgresStore:
         return {k: int(c) for k, c in self._retrying(work)}
 
     def charge(
-        self, principal: str, event_key: str, idempotency_key: str | None, decide: Decide
+        self,
+        principal: str,
+        event_key: str,
+        idempotency_key: str | None,
+        decide: Decide,
+        key_id: str | None = None,
     ) -> StoredCharge:
         for attempt in range(_ATTEMPTS):
             sent = [False]  # whether the write may have reached the server
             try:
-                return self._charge_once(principal, event_key, idempotency_key, decide, sent)
+                return self._charge_once(principal, event_key, idempotency_key, decide, key_id, sent)
             except StoreUnavailable as exc:
                 if sent[0] or attempt + 1 == _ATTEMPTS or isinstance(exc.__cause__, self._pool_timeout):
                     raise
@@ -297,6 +215,7 @@ class PostgresStore:
         event_key: str,
         idempotency_key: str | None,
         decide: Decide,
+        key_id: str | None,
         sent: list[bool],
     ) -> StoredCharge:
         # Pipeline mode: BEGIN, the lock, the idempotency lookup and the history read go to the server
@@ -319,7 +238,9 @@ class PostgresStore:
                 row = PrincipalRow(principal, r[0], r[1], r[2], r[3])
                 e = by_key.fetchone() if by_key is not None else None
                 if e is not None:
-                    earlier = StoredCharge(e[0], principal, e[1], idempotency_key, e[2], bool(e[3]))
+                    earlier = StoredCharge(
+                        e[0], principal, e[1], idempotency_key, e[2], bool(e[3]), key_id=e[4]
+                    )
                     return replayed_charge(earlier, event_key)
                 groups = {k: int(c) for k, c in hist.fetchall()}
                 within = decide(row, groups)  # may raise: leaving the transaction block rolls back
@@ -327,12 +248,12 @@ class PostgresStore:
                 sent[0] = True
                 write = conn.execute(
                     self._sql["write"],
-                    (principal, event_key, principal, event_key, idempotency_key, now, within),
+                    (principal, event_key, principal, event_key, idempotency_key, now, within, key_id),
                 )
             pipe.sync()  # COMMIT has been queued by the transaction block; wait for it
             w = write.fetchone()
             assert w is not None
-        return StoredCharge(int(w[0]), principal, event_key, idempotency_key, now, within)
+        return StoredCharge(int(w[0]), principal, event_key, idempotency_key, now, within, key_id=key_id)
 
     def charge_fast(
         self,
@@ -341,6 +262,7 @@ class PostgresStore:
         idempotency_key: str | None,
         others: tuple[tuple[str, int], ...],
         allowed: int,
+        key_id: str | None = None,
     ) -> tuple[StoredCharge, int] | None:
         """One round trip: charge if the other events are still ``others`` and ``count + 1 <= allowed``.
 
@@ -350,8 +272,16 @@ class PostgresStore:
         now = time.time()
         with self._connection() as conn:
             r = conn.execute(
-                f"SELECT * FROM {self.schema}.gdp_charge_fast(%s, %s, %s, %s, %s, %s)",
-                (principal, event_key, idempotency_key, others_fingerprint(others), int(allowed), now),
+                f"SELECT * FROM {self.schema}.gdp_charge_fast(%s, %s, %s, %s, %s, %s, %s)",
+                (
+                    principal,
+                    event_key,
+                    idempotency_key,
+                    others_fingerprint(others),
+                    int(allowed),
+                    now,
+                    key_id,
+                ),
             ).fetchone()
         assert r is not None
         status = r[0]
@@ -361,14 +291,15 @@ class PostgresStore:
             earlier = StoredCharge(int(r[1]), principal, r[5], idempotency_key, r[2], bool(r[3]))
             return replayed_charge(earlier, event_key), -1
         if status == "ok":
-            return StoredCharge(int(r[1]), principal, event_key, idempotency_key, r[2], True), int(r[4])
+            charge = StoredCharge(int(r[1]), principal, event_key, idempotency_key, r[2], True, key_id=key_id)
+            return charge, int(r[4])
         return None
 
     def history(self, principal: str, limit: int | None = None) -> list[StoredCharge]:
         if self.get_principal(principal) is None:
             raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
         sql = (
-            "SELECT id, event_key, idempotency_key, created_at, within_budget "
+            "SELECT id, event_key, idempotency_key, created_at, within_budget, key_id "
             f"FROM {self.schema}.gdp_charges "
             "WHERE principal = %s ORDER BY id DESC"
         )
@@ -377,7 +308,24 @@ class PostgresStore:
             sql += " LIMIT %s"
             args = (principal, int(limit))
         rows = self._retrying(lambda conn: conn.execute(sql, args).fetchall())
-        return [StoredCharge(int(r[0]), principal, r[1], r[2], r[3], bool(r[4])) for r in reversed(rows)]
+        return [
+            StoredCharge(int(r[0]), principal, r[1], r[2], r[3], bool(r[4]), key_id=r[5])
+            for r in reversed(rows)
+        ]
+
+    def charges_after(
+        self, prefix: str, after_id: int, limit: int, *, exact: bool = False
+    ) -> list[StoredCharge]:
+        where = "principal = %s" if exact else "left(principal, %s) = %s"
+        args: tuple[Any, ...] = (prefix,) if exact else (len(prefix), prefix)
+        rows = self._retrying(
+            lambda conn: conn.execute(
+                "SELECT id, principal, event_key, idempotency_key, created_at, within_budget, key_id "
+                f"FROM {self.schema}.gdp_charges WHERE {where} AND id > %s ORDER BY id LIMIT %s",
+                (*args, int(after_id), int(limit)),
+            ).fetchall()
+        )
+        return [StoredCharge(int(r[0]), r[1], r[2], r[3], r[4], bool(r[5]), key_id=r[6]) for r in rows]
 
     def put_api_key(self, row: ApiKeyRow) -> None:
         with self._connection() as conn:

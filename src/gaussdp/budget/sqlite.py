@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import parse_qs, unquote
 
+from gaussdp.budget.schema import upgrade_sqlite
 from gaussdp.budget.store import (
     ApiKeyRow,
     Decide,
@@ -30,39 +31,6 @@ from gaussdp.budget.store import (
 from gaussdp.errors import InvalidParameter
 
 __all__ = ["SQLiteStore"]
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS gdp_principals (
-    principal TEXT PRIMARY KEY,
-    epsilon REAL NOT NULL,
-    delta REAL NOT NULL,
-    accountant TEXT NOT NULL,
-    created_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS gdp_spent (
-    principal TEXT NOT NULL REFERENCES gdp_principals(principal),
-    event_key TEXT NOT NULL,
-    count INTEGER NOT NULL CHECK (count > 0),
-    PRIMARY KEY (principal, event_key)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS gdp_charges (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    principal TEXT NOT NULL REFERENCES gdp_principals(principal),
-    event_key TEXT NOT NULL,
-    idempotency_key TEXT,
-    created_at REAL NOT NULL,
-    within_budget INTEGER NOT NULL,
-    UNIQUE (principal, idempotency_key)
-);
-CREATE INDEX IF NOT EXISTS gdp_charges_principal ON gdp_charges (principal, id);
-CREATE TABLE IF NOT EXISTS gdp_api_keys (
-    key_id TEXT PRIMARY KEY,
-    tenant TEXT NOT NULL,
-    key_hash TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    revoked INTEGER NOT NULL DEFAULT 0
-);
-"""
 
 
 class SQLiteStore:
@@ -84,16 +52,8 @@ class SQLiteStore:
         # handler, whose back-off sleeps of up to 100 ms dominate tail latency under contention.
         # Other processes still meet each other in the busy handler: correctness never depends on it.
         self._write_lock = threading.Lock()
-        with self._conn() as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                for statement in _SCHEMA.split(";"):
-                    if statement.strip():
-                        conn.execute(statement)
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
+        with self._conn() as conn:  # the tables: budget/migrations (one query when up to date)
+            upgrade_sqlite(self.path, conn)
 
     @classmethod
     def from_url(cls, url: str) -> SQLiteStore:
@@ -189,7 +149,12 @@ class SQLiteStore:
         return dict(rows)
 
     def charge(
-        self, principal: str, event_key: str, idempotency_key: str | None, decide: Decide
+        self,
+        principal: str,
+        event_key: str,
+        idempotency_key: str | None,
+        decide: Decide,
+        key_id: str | None = None,
     ) -> StoredCharge:
         with self._write_lock, self._conn() as conn:
             # The write lock is taken first: the history read below cannot go stale before our commit.
@@ -208,13 +173,15 @@ class SQLiteStore:
                 row = PrincipalRow(principal, r0[0], r0[1], r0[2], r0[3])
                 if idempotency_key is not None:
                     r = conn.execute(
-                        "SELECT id, event_key, created_at, within_budget FROM gdp_charges "
+                        "SELECT id, event_key, created_at, within_budget, key_id FROM gdp_charges "
                         "WHERE principal = ? AND idempotency_key = ?",
                         (principal, idempotency_key),
                     ).fetchone()
                     if r is not None:
                         conn.execute("COMMIT")
-                        earlier = StoredCharge(r[0], principal, r[1], idempotency_key, r[2], bool(r[3]))
+                        earlier = StoredCharge(
+                            r[0], principal, r[1], idempotency_key, r[2], bool(r[3]), key_id=r[4]
+                        )
                         return replayed_charge(earlier, event_key)
                 groups = {r[4]: r[5] for r in rows if r[4] is not None}
                 within = decide(row, groups)  # may raise: the ROLLBACK below records nothing
@@ -226,9 +193,9 @@ class SQLiteStore:
                 )
                 cur = conn.execute(
                     "INSERT INTO gdp_charges "
-                    "(principal, event_key, idempotency_key, created_at, within_budget)"
-                    " VALUES (?, ?, ?, ?, ?)",
-                    (principal, event_key, idempotency_key, now, int(within)),
+                    "(principal, event_key, idempotency_key, created_at, within_budget, key_id)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    (principal, event_key, idempotency_key, now, int(within), key_id),
                 )
                 charge_id = cur.lastrowid
                 conn.execute("COMMIT")
@@ -237,14 +204,14 @@ class SQLiteStore:
                     conn.execute("ROLLBACK")
                 raise
         assert charge_id is not None
-        return StoredCharge(charge_id, principal, event_key, idempotency_key, now, within)
+        return StoredCharge(charge_id, principal, event_key, idempotency_key, now, within, key_id=key_id)
 
     def history(self, principal: str, limit: int | None = None) -> list[StoredCharge]:
         with self._conn() as conn:
             if self._principal(conn, principal) is None:
                 raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
             sql = (
-                "SELECT id, event_key, idempotency_key, created_at, within_budget FROM gdp_charges "
+                "SELECT id, event_key, idempotency_key, created_at, within_budget, key_id FROM gdp_charges "
                 "WHERE principal = ? ORDER BY id DESC"
             )
             args: tuple[object, ...] = (principal,)
@@ -252,7 +219,22 @@ class SQLiteStore:
                 sql += " LIMIT ?"
                 args = (principal, int(limit))
             rows = conn.execute(sql, args).fetchall()
-        return [StoredCharge(r[0], principal, r[1], r[2], r[3], bool(r[4])) for r in reversed(rows)]
+        return [
+            StoredCharge(r[0], principal, r[1], r[2], r[3], bool(r[4]), key_id=r[5]) for r in reversed(rows)
+        ]
+
+    def charges_after(
+        self, prefix: str, after_id: int, limit: int, *, exact: bool = False
+    ) -> list[StoredCharge]:
+        where = "principal = ?" if exact else "substr(principal, 1, ?) = ?"
+        args: tuple[object, ...] = (prefix,) if exact else (len(prefix), prefix)
+        with self._conn() as conn:
+            rows = conn.execute(
+                "SELECT id, principal, event_key, idempotency_key, created_at, within_budget, key_id "
+                f"FROM gdp_charges WHERE {where} AND id > ? ORDER BY id LIMIT ?",
+                (*args, int(after_id), int(limit)),
+            ).fetchall()
+        return [StoredCharge(r[0], r[1], r[2], r[3], r[4], bool(r[5]), key_id=r[6]) for r in rows]
 
     def put_api_key(self, row: ApiKeyRow) -> None:
         with self._conn() as conn:

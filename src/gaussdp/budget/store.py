@@ -81,6 +81,7 @@ class StoredCharge:
     created_at: float
     within_budget: bool
     replayed: bool = False
+    key_id: str | None = None  # the API key that made the charge (service), if any
 
 
 @dataclass(frozen=True)
@@ -110,12 +111,24 @@ class Store(Protocol):
         """A snapshot of ``event_key -> count`` (no lock; for cache warming and reports)."""
 
     def charge(
-        self, principal: str, event_key: str, idempotency_key: str | None, decide: Decide
+        self,
+        principal: str,
+        event_key: str,
+        idempotency_key: str | None,
+        decide: Decide,
+        key_id: str | None = None,
     ) -> StoredCharge:
         """Atomically: lock the principal, replay an existing idempotency key, or call ``decide`` and
-        record the charge. Raises :class:`UnknownPrincipal` when the principal was never opened."""
+        record the charge (with the API key id that made it). Raises :class:`UnknownPrincipal` when
+        the principal was never opened."""
 
     def history(self, principal: str, limit: int | None = None) -> list[StoredCharge]: ...
+
+    def charges_after(
+        self, prefix: str, after_id: int, limit: int, *, exact: bool = False
+    ) -> list[StoredCharge]:
+        """At most ``limit`` charges with id > ``after_id``, by id, of the principal ``prefix``
+        (``exact``) or of every principal starting with ``prefix``: one page of a history or export."""
 
     def put_api_key(self, row: ApiKeyRow) -> None: ...
 
@@ -199,4 +212,5 @@ def replayed_charge(earlier: StoredCharge, event_key: str) -> StoredCharge:
         earlier.created_at,
         earlier.within_budget,
         replayed=True,
+        key_id=earlier.key_id,
     )

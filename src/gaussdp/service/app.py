@@ -22,18 +22,19 @@ privacy the client declares it spent (the server cannot verify that noise).
 import base64
 import binascii
 import functools
+import json
 import logging
 import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import numpy as np
-from fastapi import Depends, FastAPI, HTTPException, Path, Request
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from gaussdp._worklimit import cpu_limit, no_cpu_limit
@@ -47,13 +48,15 @@ from gaussdp.budget import (
     UnknownPrincipal,
 )
 from gaussdp.errors import PrivacyError, WorkLimitExceeded
-from gaussdp.service.keys import verify_api_key
+from gaussdp.service.keys import key_id_of, verify_api_key
 from gaussdp.service.limits import BodySizeLimit
 from gaussdp.service.models import (
     SESSION_ID_PATTERN,
+    AuditLine,
     ChargeOut,
     HiddenStateIn,
     HiddenStateOut,
+    HistoryPage,
     LoraDeltaIn,
     LoraDeltaOut,
     Privacy,
@@ -71,8 +74,36 @@ DEFAULT_LEDGER_URL = "sqlite:///gaussdp-ledger.db"
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_CPU_LIMIT_S = 1.0
 _KEY_CACHE_SECONDS = 30.0
+HISTORY_DEFAULT_LIMIT = 100
+HISTORY_MAX_LIMIT = 1000
+_EXPORT_PAGE = 1000
 
 SessionId = Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The session's id.")]
+
+
+class Caller(NamedTuple):
+    """Who makes a request: the tenant of the API key, and the key's id (recorded with each charge)."""
+
+    tenant: str
+    key_id: str
+
+
+def _cursor(last_id: int) -> str:
+    return base64.urlsafe_b64encode(f"c1:{last_id}".encode()).decode().rstrip("=")
+
+
+def _after(cursor: str | None) -> int:
+    """The charge id a cursor continues after (0 for none); a cursor not made here is refused."""
+    if cursor is None:
+        return 0
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        tag, _, value = text.partition(":")
+        if tag != "c1" or not value.isdigit() or len(value) > 19:
+            raise ValueError(text)
+        return int(value)
+    except (ValueError, UnicodeDecodeError, binascii.Error):
+        raise HTTPException(422, "cursor: not a cursor this service returned") from None
 
 
 class _Tenants:
@@ -80,22 +111,24 @@ class _Tenants:
 
     def __init__(self, ledger: Ledger) -> None:
         self._ledger = ledger
-        self._cache: dict[str, tuple[str, float]] = {}
+        self._cache: dict[str, tuple[Caller, float]] = {}
         self._lock = threading.Lock()
 
-    def tenant(self, key: str) -> str | None:
+    def tenant(self, key: str) -> Caller | None:
         now = time.monotonic()
         with self._lock:
             hit = self._cache.get(key)
         if hit is not None and now - hit[1] < _KEY_CACHE_SECONDS:
             return hit[0]
         tenant = verify_api_key(self._ledger.store, key)
-        if tenant is not None:
-            with self._lock:
-                if len(self._cache) > 10_000:
-                    self._cache.clear()
-                self._cache[key] = (tenant, now)
-        return tenant
+        if tenant is None:
+            return None
+        caller = Caller(tenant, key_id_of(key))
+        with self._lock:
+            if len(self._cache) > 10_000:
+                self._cache.clear()
+            self._cache[key] = (caller, now)
+        return caller
 
 
 def create_app(
@@ -147,13 +180,13 @@ def create_app(
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
     bearer = HTTPBearer(auto_error=False, description="An API key from `gaussdp keys create TENANT`.")
 
-    def tenant_of(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
-        tenant = None if creds is None else tenants.tenant(creds.credentials)
-        if tenant is None:
+    def caller_of(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller:
+        caller = None if creds is None else tenants.tenant(creds.credentials)
+        if caller is None:
             raise HTTPException(401, "missing or invalid API key", headers={"WWW-Authenticate": "Bearer"})
-        return tenant
+        return caller
 
-    Tenant = Annotated[str, Depends(tenant_of)]
+    Who = Annotated[Caller, Depends(caller_of)]
 
     def bounded(route: Callable[..., Any]) -> Callable[..., Any]:
         """Run a (sync) route under the per-request CPU limit, in the worker thread that runs it."""
@@ -254,48 +287,88 @@ def create_app(
 
     @app.post("/v1/sessions", status_code=201, response_model=SessionOut, tags=["sessions"])
     @bounded
-    def create_session(body: SessionIn, tenant: Tenant) -> SessionOut:
+    def create_session(body: SessionIn, who: Who) -> SessionOut:
         """Open a session with a total (epsilon, delta) budget; its releases are charged to it."""
         session_id = body.session_id or secrets.token_urlsafe(12)
-        p = principal(tenant, session_id)
+        p = principal(who.tenant, session_id)
         led.open(p, Budget(body.epsilon, body.delta), accountant=body.accountant)
         return session_out(p, session_id)
 
     @app.get("/v1/sessions", tags=["sessions"])
-    def list_sessions(tenant: Tenant) -> list[str]:
+    def list_sessions(who: Who) -> list[str]:
         """The ids of this tenant's sessions."""
-        prefix = principal(tenant, "")
+        prefix = principal(who.tenant, "")
         return [p[len(prefix) :] for p in led.principals(prefix)]
 
     @app.get("/v1/sessions/{session_id}", response_model=SessionOut, tags=["sessions"])
     @bounded
-    def get_session(session_id: SessionId, tenant: Tenant) -> SessionOut:
+    def get_session(session_id: SessionId, who: Who) -> SessionOut:
         """Budget, spent and remaining privacy of a session."""
-        return session_out(owned(tenant, session_id), session_id)
+        return session_out(owned(who.tenant, session_id), session_id)
 
-    @app.get("/v1/sessions/{session_id}/history", response_model=list[ChargeOut], tags=["sessions"])
-    def session_history(session_id: SessionId, tenant: Tenant) -> list[ChargeOut]:
-        """Every charge of a session, oldest first."""
-        p = owned(tenant, session_id)
-        return [
-            ChargeOut(
-                charge_id=c.charge_id,
-                event=c.event,
-                idempotency_key=c.idempotency_key,
-                created_at=c.created_at,
-                within_budget=c.within_budget,
-            )
-            for c in led.history(p)
-        ]
+    @app.get("/v1/sessions/{session_id}/history", response_model=HistoryPage, tags=["sessions"])
+    def session_history(
+        session_id: SessionId,
+        who: Who,
+        limit: Annotated[int, Query(ge=1, le=HISTORY_MAX_LIMIT, description="Charges per page.")] = (
+            HISTORY_DEFAULT_LIMIT
+        ),
+        cursor: Annotated[
+            str | None, Query(max_length=64, description="next_cursor of the previous page.")
+        ] = None,
+    ) -> HistoryPage:
+        """A session's charges, oldest first, one page at a time (``next_cursor`` continues)."""
+        p = owned(who.tenant, session_id)
+        page = led.history_page(p, after=_after(cursor), limit=limit + 1)  # one more: is there a next?
+        more = len(page) > limit
+        page = page[:limit]
+        return HistoryPage(
+            charges=[_charge_out(c) for c in page],
+            next_cursor=_cursor(page[-1].charge_id) if more else None,
+        )
+
+    @app.get(
+        "/v1/audit/export",
+        tags=["audit"],
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/x-ndjson": {"schema": AuditLine.model_json_schema()}}}},
+    )
+    def audit_export(
+        who: Who,
+        cursor: Annotated[str | None, Query(max_length=64, description="Continue after this charge.")] = None,
+    ) -> StreamingResponse:
+        """Every charge of this tenant's sessions with the key id that made it, as JSON lines, by id.
+
+        Streamed in pages (the work per page is bounded); a line ``{"next_cursor": ...}`` ends
+        the stream so that an interrupted export can continue where it stopped.
+        """
+        prefix = principal(who.tenant, "")
+        after = _after(cursor)
+
+        def lines() -> Any:
+            last = after
+            while True:
+                page = led.export(prefix, after=last, limit=_EXPORT_PAGE)
+                for c in page:
+                    line = AuditLine(session_id=c.principal[len(prefix) :], **_charge_out(c).model_dump())
+                    yield line.model_dump_json() + "\n"
+                if len(page) < _EXPORT_PAGE:
+                    break
+                last = page[-1].charge_id
+            if page:
+                last = page[-1].charge_id
+            yield json.dumps({"next_cursor": _cursor(last)}) + "\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     @app.post("/v1/sessions/{session_id}/release", response_model=ReleaseOut, tags=["releases"])
     @bounded
-    def release(session_id: SessionId, body: ReleaseIn, tenant: Tenant) -> ReleaseOut:
+    def release(session_id: SessionId, body: ReleaseIn, who: Who) -> ReleaseOut:
         """Clip a vector to L2 norm ``sensitivity``, add calibrated Gaussian noise; charged first."""
-        p = owned(tenant, session_id)
+        p = owned(who.tenant, session_id)
         x = _vector(body.vector, body.vector_b64, "vector_b64")
         mech = _mechanism(body.epsilon, body.delta, body.sigma, body.sensitivity, noise)
-        receipt, out = _charge_then_release(led, p, mech, x, body.idempotency_key)
+        receipt, out = _charge_then_release(led, p, mech, x, body.idempotency_key, who.key_id)
         with no_cpu_limit():  # charged: the answer must not fail on the limit now
             budget, spent = led.budget(p), led.spent(p, as_of=receipt)
         return ReleaseOut(
@@ -309,7 +382,7 @@ def create_app(
 
     @app.post("/v1/sessions/{session_id}/hidden-state", response_model=HiddenStateOut, tags=["releases"])
     @bounded
-    def hidden_state(session_id: SessionId, body: HiddenStateIn, tenant: Tenant) -> HiddenStateOut:
+    def hidden_state(session_id: SessionId, body: HiddenStateIn, who: Who) -> HiddenStateOut:
         """Document 000's split mode, TRUSTED server: clip the state to ``clip_norm``, noise it, charge.
 
         The server sees the clean hidden state; with an honest-but-curious server use ``/lora-delta``.
@@ -319,13 +392,13 @@ def create_app(
         or ``"replace"`` (sensitivity ``2 * clip_norm``: any state against any other); the response
         names it. An exhausted session is refused (409).
         """
-        p = owned(tenant, session_id)
+        p = owned(who.tenant, session_id)
         x = _vector(body.hidden_state, body.hidden_state_b64, "hidden_state_b64")
         sensitivity = _sensitivity(body.clip_norm, body.neighbouring)
         if body.neighbouring == "replace":
             x = _clip(x, body.clip_norm)  # clipped to C, noised for 2C (the mechanism's clip is a no-op)
         mech = _mechanism(body.epsilon, body.delta, body.sigma, sensitivity, noise)
-        receipt, out = _charge_then_release(led, p, mech, x, body.idempotency_key)
+        receipt, out = _charge_then_release(led, p, mech, x, body.idempotency_key, who.key_id)
         with no_cpu_limit():  # charged: the answer must not fail on the limit now
             epsilon_spent = led.spent(p, as_of=receipt).epsilon
         return HiddenStateOut(
@@ -341,7 +414,7 @@ def create_app(
 
     @app.post("/v1/sessions/{session_id}/lora-delta", response_model=LoraDeltaOut, tags=["releases"])
     @bounded
-    def lora_delta(session_id: SessionId, body: LoraDeltaIn, tenant: Tenant) -> LoraDeltaOut:
+    def lora_delta(session_id: SessionId, body: LoraDeltaIn, who: Who) -> LoraDeltaOut:
         """Document 000's split mode, untrusted server: the LoRA delta of rows the CLIENT privatized.
 
         Each row of ``noised`` (or ``noised_b64``, row-major float32 with the adapter's hidden size)
@@ -357,7 +430,7 @@ def create_app(
         answered then). The charge records a claim, it does not make unnoised rows private. A delta
         that overflows (float64, or float32 for ``noised_b64``) is refused with 422, uncharged.
         """
-        p = owned(tenant, session_id)
+        p = owned(who.tenant, session_id)
         adapter = adapters.get(body.adapter)
         if adapter is None or lora_delta_of is None:
             raise HTTPException(422, f"adapter: no LoRA adapter named {body.adapter!r} on this server")
@@ -371,7 +444,7 @@ def create_app(
             b64 = body.noised_b64 is not None
             if not np.isfinite(out.astype(np.float32) if b64 else out).all():
                 raise HTTPException(422, "noised: the delta overflows (rows far too large); nothing charged")
-        receipt = led.charge(p, event, body.idempotency_key)
+        receipt = led.charge(p, event, body.idempotency_key, key_id=who.key_id)
         if receipt.replayed:
             raise HTTPException(
                 409,
@@ -477,9 +550,22 @@ def _server_lora_delta() -> Callable[..., Any]:
     return server_lora_delta
 
 
-def _charge_then_release(led: Ledger, p: str, mech: Any, x: np.ndarray, key: str | None) -> tuple[Any, Any]:
+def _charge_out(c: Any) -> ChargeOut:
+    return ChargeOut(
+        charge_id=c.charge_id,
+        event=c.event,
+        idempotency_key=c.idempotency_key,
+        created_at=c.created_at,
+        within_budget=c.within_budget,
+        key_id=c.key_id,
+    )
+
+
+def _charge_then_release(
+    led: Ledger, p: str, mech: Any, x: np.ndarray, key: str | None, key_id: str | None
+) -> tuple[Any, Any]:
     """The ledger's charge-before-release, keeping the receipt for the response."""
-    receipt = led.charge(p, mech.event, key)
+    receipt = led.charge(p, mech.event, key, key_id=key_id)
     if receipt.replayed:
         raise HTTPException(
             409,

@@ -16,7 +16,7 @@ import time
 from gaussdp.budget.store import ApiKeyRow, Store
 from gaussdp.errors import InvalidParameter
 
-__all__ = ["TENANT_PATTERN", "create_api_key", "hash_api_key", "verify_api_key"]
+__all__ = ["TENANT_PATTERN", "create_api_key", "hash_api_key", "key_id_of", "verify_api_key"]
 
 TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 _KEY = re.compile(r"^gdp_([0-9a-f]{16})_([A-Za-z0-9_-]{43})$")
@@ -42,6 +42,14 @@ def create_api_key(store: Store, tenant: str) -> str:
     key = f"gdp_{key_id}_{secrets.token_urlsafe(32)}"
     store.put_api_key(ApiKeyRow(key_id, tenant, hash_api_key(key), time.time(), False))
     return key
+
+
+def key_id_of(key: str) -> str:
+    """The (public) id part of a well-formed key."""
+    m = _KEY.match(key)
+    if m is None:
+        raise ValueError("not a gaussdp API key")
+    return m.group(1)
 
 
 def verify_api_key(store: Store, key: str) -> str | None:

@@ -7,9 +7,11 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
+    "AuditLine",
     "BudgetIn",
     "HiddenStateIn",
     "HiddenStateOut",
+    "HistoryPage",
     "LoraDeltaIn",
     "LoraDeltaOut",
     "ReleaseIn",
@@ -69,6 +71,22 @@ class ChargeOut(BaseModel):
     idempotency_key: str | None
     created_at: float
     within_budget: bool
+    key_id: str | None = Field(None, description="Id of the API key that made the charge (not secret).")
+
+
+class HistoryPage(BaseModel):
+    """One page of a session's charges, oldest first."""
+
+    charges: list[ChargeOut]
+    next_cursor: str | None = Field(
+        None, description="Pass as ?cursor= for the next page; null on the last page. Opaque."
+    )
+
+
+class AuditLine(ChargeOut):
+    """One line of ``/v1/audit/export`` (JSON lines): a charge of one of the tenant's sessions."""
+
+    session_id: str
 
 
 class _Noise(_Strict):
