@@ -33,7 +33,10 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
@@ -54,12 +57,15 @@ from gaussdp.service.models import (
     SESSION_ID_PATTERN,
     AuditLine,
     ChargeOut,
+    ErrorOut,
     HiddenStateIn,
     HiddenStateOut,
     HistoryPage,
+    InvalidOut,
     LoraDeltaIn,
     LoraDeltaOut,
     Privacy,
+    ReadyOut,
     ReleaseIn,
     ReleaseOut,
     SessionIn,
@@ -81,6 +87,40 @@ _EXPORT_PAGE = 1000
 SessionId = Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The session's id.")]
 
 
+_RETRY_AFTER = {
+    "Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}
+}
+_ERRORS: dict[int, dict[str, Any]] = {
+    400: {"model": ErrorOut, "description": "The body cannot be parsed (not UTF-8 JSON)."},
+    401: {
+        "model": ErrorOut,
+        "description": "Missing, malformed, unknown, revoked or expired API key.",
+        "headers": {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},
+    },
+    403: {"model": ErrorOut, "description": "The API key's scopes do not allow this route."},
+    404: {"model": ErrorOut, "description": "No such session for this tenant (others' are invisible)."},
+    409: {
+        "model": ErrorOut,
+        "description": "budget_exhausted (nothing charged or released), a used idempotency key, "
+        "session_conflict, or ledger_contention (with Retry-After).",
+        "headers": _RETRY_AFTER,
+    },
+    413: {"model": ErrorOut, "description": "Request body over max_body_bytes (not read)."},
+    422: {"model": InvalidOut, "description": "Invalid fields or values (named); nothing charged."},
+    429: {"model": ErrorOut, "description": "Rate or tenant limit reached.", "headers": _RETRY_AFTER},
+    503: {
+        "model": ErrorOut,
+        "description": "The ledger's database cannot be reached; nothing released.",
+        "headers": _RETRY_AFTER,
+    },
+}
+
+
+def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI entries of the error statuses a route can answer, with their body schemas."""
+    return {code: _ERRORS[code] for code in codes}
+
+
 class Caller(NamedTuple):
     """Who makes a request: the tenant of the API key, and the key's id (recorded with each charge)."""
 
@@ -88,22 +128,22 @@ class Caller(NamedTuple):
     key_id: str
 
 
+# A cursor is opaque to clients: 11 base64url characters (8 bytes). Every string of that shape is a
+# valid position (so that the schema describes exactly what is accepted); ids past the end give an
+# empty page.
+CURSOR_PATTERN = r"^[A-Za-z0-9_-]{11}$"
+_MAX_ID = 2**63 - 1  # BIGINT
+
+
 def _cursor(last_id: int) -> str:
-    return base64.urlsafe_b64encode(f"c1:{last_id}".encode()).decode().rstrip("=")
+    return base64.urlsafe_b64encode(int(last_id).to_bytes(8, "big")).decode().rstrip("=")
 
 
 def _after(cursor: str | None) -> int:
-    """The charge id a cursor continues after (0 for none); a cursor not made here is refused."""
+    """The charge id a cursor continues after (0 for none)."""
     if cursor is None:
         return 0
-    try:
-        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
-        tag, _, value = text.partition(":")
-        if tag != "c1" or not value.isdigit() or len(value) > 19:
-            raise ValueError(text)
-        return int(value)
-    except (ValueError, UnicodeDecodeError, binascii.Error):
-        raise HTTPException(422, "cursor: not a cursor this service returned") from None
+    return min(_MAX_ID, int.from_bytes(base64.urlsafe_b64decode(cursor + "="), "big"))
 
 
 class _Tenants:
@@ -252,6 +292,21 @@ def create_app(
     async def _invalid(request: Request, exc: PrivacyError) -> JSONResponse:
         return JSONResponse({"detail": str(exc), "error": type(exc).__name__}, status_code=422)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Any:
+        if exc.status_code == 405:  # Allow lists every method of the path (routes are per method)
+            allowed = sorted(
+                {
+                    m
+                    for r in app.routes
+                    if isinstance(r, APIRoute) and r.path_regex.match(request.url.path)
+                    for m in r.methods
+                }
+            )
+            headers = {**(exc.headers or {}), "Allow": ", ".join(allowed)}
+            return JSONResponse({"detail": exc.detail}, status_code=405, headers=headers)
+        return await http_exception_handler(request, exc)
+
     @app.exception_handler(StoreUnavailable)
     async def _unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
         logger.warning("ledger database unavailable: %s", exc)
@@ -272,7 +327,10 @@ def create_app(
     @app.get(
         "/readyz",
         tags=["meta"],
-        responses={503: {"description": "The ledger's database cannot be reached."}},
+        responses={
+            200: {"description": "Ready.", "model": ReadyOut},
+            503: {"description": "The ledger's database cannot be reached.", "model": ReadyOut},
+        },
     )
     def readyz() -> JSONResponse:
         """Readiness probe (no key needed): one round trip to the ledger's database (at most 2 s)."""
@@ -285,7 +343,13 @@ def create_app(
             return JSONResponse({"status": "unavailable", "error": "database_unavailable"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.post("/v1/sessions", status_code=201, response_model=SessionOut, tags=["sessions"])
+    @app.post(
+        "/v1/sessions",
+        status_code=201,
+        response_model=SessionOut,
+        tags=["sessions"],
+        responses=_responses(400, 401, 409, 413, 422, 503),
+    )
     @bounded
     def create_session(body: SessionIn, who: Who) -> SessionOut:
         """Open a session with a total (epsilon, delta) budget; its releases are charged to it."""
@@ -294,19 +358,29 @@ def create_app(
         led.open(p, Budget(body.epsilon, body.delta), accountant=body.accountant)
         return session_out(p, session_id)
 
-    @app.get("/v1/sessions", tags=["sessions"])
+    @app.get("/v1/sessions", tags=["sessions"], responses=_responses(401, 503))
     def list_sessions(who: Who) -> list[str]:
         """The ids of this tenant's sessions."""
         prefix = principal(who.tenant, "")
         return [p[len(prefix) :] for p in led.principals(prefix)]
 
-    @app.get("/v1/sessions/{session_id}", response_model=SessionOut, tags=["sessions"])
+    @app.get(
+        "/v1/sessions/{session_id}",
+        response_model=SessionOut,
+        tags=["sessions"],
+        responses=_responses(401, 404, 422, 503),
+    )
     @bounded
     def get_session(session_id: SessionId, who: Who) -> SessionOut:
         """Budget, spent and remaining privacy of a session."""
         return session_out(owned(who.tenant, session_id), session_id)
 
-    @app.get("/v1/sessions/{session_id}/history", response_model=HistoryPage, tags=["sessions"])
+    @app.get(
+        "/v1/sessions/{session_id}/history",
+        response_model=HistoryPage,
+        tags=["sessions"],
+        responses=_responses(401, 404, 422, 503),
+    )
     def session_history(
         session_id: SessionId,
         who: Who,
@@ -314,7 +388,7 @@ def create_app(
             HISTORY_DEFAULT_LIMIT
         ),
         cursor: Annotated[
-            str | None, Query(max_length=64, description="next_cursor of the previous page.")
+            str | None, Query(pattern=CURSOR_PATTERN, description="next_cursor of the previous page.")
         ] = None,
     ) -> HistoryPage:
         """A session's charges, oldest first, one page at a time (``next_cursor`` continues)."""
@@ -331,11 +405,16 @@ def create_app(
         "/v1/audit/export",
         tags=["audit"],
         response_class=StreamingResponse,
-        responses={200: {"content": {"application/x-ndjson": {"schema": AuditLine.model_json_schema()}}}},
+        responses={
+            200: {"content": {"application/x-ndjson": {"schema": AuditLine.model_json_schema()}}},
+            **_responses(401, 422, 503),
+        },
     )
     def audit_export(
         who: Who,
-        cursor: Annotated[str | None, Query(max_length=64, description="Continue after this charge.")] = None,
+        cursor: Annotated[
+            str | None, Query(pattern=CURSOR_PATTERN, description="next_cursor of an earlier export.")
+        ] = None,
     ) -> StreamingResponse:
         """Every charge of this tenant's sessions with the key id that made it, as JSON lines, by id.
 
@@ -361,7 +440,12 @@ def create_app(
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
-    @app.post("/v1/sessions/{session_id}/release", response_model=ReleaseOut, tags=["releases"])
+    @app.post(
+        "/v1/sessions/{session_id}/release",
+        response_model=ReleaseOut,
+        tags=["releases"],
+        responses=_responses(400, 401, 404, 409, 413, 422, 503),
+    )
     @bounded
     def release(session_id: SessionId, body: ReleaseIn, who: Who) -> ReleaseOut:
         """Clip a vector to L2 norm ``sensitivity``, add calibrated Gaussian noise; charged first."""
@@ -380,7 +464,12 @@ def create_app(
             remaining=Privacy(epsilon=max(0.0, budget.epsilon - spent.epsilon), delta=budget.delta),
         )
 
-    @app.post("/v1/sessions/{session_id}/hidden-state", response_model=HiddenStateOut, tags=["releases"])
+    @app.post(
+        "/v1/sessions/{session_id}/hidden-state",
+        response_model=HiddenStateOut,
+        tags=["releases"],
+        responses=_responses(400, 401, 404, 409, 413, 422, 503),
+    )
     @bounded
     def hidden_state(session_id: SessionId, body: HiddenStateIn, who: Who) -> HiddenStateOut:
         """Document 000's split mode, TRUSTED server: clip the state to ``clip_norm``, noise it, charge.
@@ -412,7 +501,12 @@ def create_app(
             charge_id=receipt.charge_id,
         )
 
-    @app.post("/v1/sessions/{session_id}/lora-delta", response_model=LoraDeltaOut, tags=["releases"])
+    @app.post(
+        "/v1/sessions/{session_id}/lora-delta",
+        response_model=LoraDeltaOut,
+        tags=["releases"],
+        responses=_responses(400, 401, 404, 409, 413, 422, 503),
+    )
     @bounded
     def lora_delta(session_id: SessionId, body: LoraDeltaIn, who: Who) -> LoraDeltaOut:
         """Document 000's split mode, untrusted server: the LoRA delta of rows the CLIENT privatized.

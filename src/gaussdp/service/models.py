@@ -7,6 +7,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
+    "ErrorOut",
+    "InvalidOut",
+    "ReadyOut",
     "AuditLine",
     "BudgetIn",
     "HiddenStateIn",
@@ -34,7 +37,33 @@ IdempotencyKey = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a number is a JSON number (true, "1" are refused, not coerced); unknown fields refused
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ErrorOut(BaseModel):
+    """The body of every error answer but invalid input: what went wrong, and a stable code."""
+
+    detail: str = Field(description="What went wrong, for people.")
+    error: str | None = Field(None, description="A stable code for programs (e.g. budget_exhausted).")
+
+
+class ReadyOut(BaseModel):
+    status: Literal["ok", "unavailable"]
+    error: str | None = None
+
+
+class ValidationIssue(BaseModel):
+    loc: list[str | int] = Field(description="Where: body/query/path, then field names and indices.")
+    msg: str
+    type: str
+
+
+class InvalidOut(BaseModel):
+    """422: the request's fields (a list of issues) or its values (a message and a code) are invalid."""
+
+    detail: str | list[ValidationIssue]
+    error: str | None = Field(None, description="e.g. work_limit_exceeded, InvalidParameter.")
 
 
 class BudgetIn(_Strict):
