@@ -7,16 +7,16 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
-    "ErrorOut",
-    "InvalidOut",
-    "ReadyOut",
     "AuditLine",
     "BudgetIn",
+    "ErrorOut",
     "HiddenStateIn",
     "HiddenStateOut",
     "HistoryPage",
+    "InvalidOut",
     "LoraDeltaIn",
     "LoraDeltaOut",
+    "ReadyOut",
     "ReleaseIn",
     "ReleaseOut",
     "SessionIn",
