@@ -84,7 +84,9 @@ def _check_migrated(url: str) -> None:
         ]
         assert ledger.events("t/s") == [(EVENT, 2)]
         assert ledger.budget("t/s") == Budget(2.0, 1e-5)
-        assert [k.key_id for k in ledger.store.list_api_keys()] == ["0123456789abcdef"]
+        keys = ledger.store.list_api_keys()
+        assert [(k.key_id, k.scopes, k.expires_at) for k in keys] == [("0123456789abcdef", "release", None)]
+        assert ledger.store.get_tenant_limits("t") is None
         assert ledger.charge("t/s", EVENT, "k1").replayed  # old idempotency keys still hold
         receipt = ledger.charge("t/s", EVENT, key_id="fedcba9876543210")  # the new column
         assert ledger.history("t/s")[-1].key_id == "fedcba9876543210"

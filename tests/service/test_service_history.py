@@ -78,7 +78,8 @@ def test_each_charge_records_the_key_that_made_it_and_the_export_lists_them(serv
     history = client.get("/v1/sessions/s1/history", headers=service.headers(second_a)).json()["charges"]
     assert [c["key_id"] for c in history] == [key_id_of(service.key_a), key_id_of(second_a)]
 
-    r = client.get("/v1/audit/export", headers=service.headers(service.key_a))
+    auditor = create_api_key(service.ledger.store, "tenant-a", scope="admin")  # the export needs admin
+    r = client.get("/v1/audit/export", headers=service.headers(auditor))
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("application/x-ndjson")
     lines = [json.loads(line) for line in r.text.splitlines()]
@@ -91,12 +92,12 @@ def test_each_charge_records_the_key_that_made_it_and_the_export_lists_them(serv
     assert all(c["event"]["type"] == "gaussian" for c in charges)
     # the end line's cursor continues after the last charge: nothing new yet, then only what is new
     again = client.get(
-        "/v1/audit/export", params={"cursor": end["next_cursor"]}, headers=service.headers(second_a)
+        "/v1/audit/export", params={"cursor": end["next_cursor"]}, headers=service.headers(auditor)
     )
     assert [json.loads(x) for x in again.text.splitlines()] == [end]
     client.post("/v1/sessions/s2/release", json=RELEASE, headers=service.headers(service.key_a))
     more = client.get(
-        "/v1/audit/export", params={"cursor": end["next_cursor"]}, headers=service.headers(second_a)
+        "/v1/audit/export", params={"cursor": end["next_cursor"]}, headers=service.headers(auditor)
     )
     new = [json.loads(x) for x in more.text.splitlines()][:-1]
     assert [(c["session_id"], c["key_id"]) for c in new] == [("s2", key_id_of(service.key_a))]
@@ -110,6 +111,7 @@ def test_export_streams_more_than_one_page(service, client, monkeypatch) -> None
     _session(client, service, service.key_a, "s")
     for _ in range(23):
         service.ledger.charge("tenant-a/s", EVENT)
-    r = client.get("/v1/audit/export", headers=service.headers(service.key_a))
+    auditor = create_api_key(service.ledger.store, "tenant-a", scope="admin")
+    r = client.get("/v1/audit/export", headers=service.headers(auditor))
     ids = [json.loads(x).get("charge_id") for x in r.text.splitlines()]
     assert ids[:-1] == [c.charge_id for c in service.ledger.history("tenant-a/s")] and ids[-1] is None

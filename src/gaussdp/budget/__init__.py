@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from gaussdp.budget._types import Budget, ChargeRecord, Receipt, Spent
 from gaussdp.budget.ledger import Ledger
-from gaussdp.budget.store import LedgerContention, PrincipalConflict, StoreUnavailable, UnknownPrincipal
+from gaussdp.budget.store import (
+    LedgerContention,
+    PrincipalConflict,
+    StoreUnavailable,
+    TenantLimitExceeded,
+    UnknownPrincipal,
+)
 from gaussdp.budget.trackers import BudgetState, PrivacyAccountant, PrivacyBudgetTracker, PrivacyExpenditure
 from gaussdp.errors import BudgetExhausted
 
@@ -29,5 +35,6 @@ __all__ = [
     "Receipt",
     "Spent",
     "StoreUnavailable",
+    "TenantLimitExceeded",
     "UnknownPrincipal",
 ]

@@ -138,7 +138,9 @@ class Ledger:
         return f"Ledger({self.url!r}, policy={self.policy!r})"
 
     # -- principals --------------------------------------------------------------------------------
-    def open(self, principal: str, budget: Budget, *, accountant: str = "pld") -> Budget:
+    def open(
+        self, principal: str, budget: Budget, *, accountant: str = "pld", tenant: str | None = None
+    ) -> Budget:
         """Open ``principal`` with ``budget`` (idempotent); return its budget.
 
         Opening an existing principal again with the same budget and accountant is a no-op (so every
@@ -148,12 +150,19 @@ class Ledger:
             TypeError: ``budget`` is not a :class:`Budget`.
             InvalidParameter: bad principal or accountant name.
             PrincipalConflict: a different budget or accountant is already on record for ``principal``.
+            TenantLimitExceeded: ``tenant`` is given and a new principal would pass its caps
+                (``store.set_tenant_limits``); counted atomically with the open.
         """
         check_principal(principal)
         if not isinstance(budget, Budget):
             raise TypeError(f"budget must be a gaussdp.budget.Budget, got budget={budget!r}")
         self._composer.check_accountant(accountant)
-        row = self.store.open_principal(principal, budget.epsilon, budget.delta, accountant)
+        if tenant is None:
+            row = self.store.open_principal(principal, budget.epsilon, budget.delta, accountant)
+        else:
+            row = self.store.open_principal_within(
+                principal, budget.epsilon, budget.delta, accountant, tenant
+            )
         if (row.epsilon, row.delta, row.accountant) != (budget.epsilon, budget.delta, accountant):
             raise PrincipalConflict(
                 f"principal {principal!r} is already open with budget=Budget(epsilon={row.epsilon!r}, "

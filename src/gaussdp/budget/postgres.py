@@ -26,7 +26,10 @@ from gaussdp.budget.store import (
     PrincipalRow,
     StoredCharge,
     StoreUnavailable,
+    TenantLimitExceeded,
+    TenantLimits,
     UnknownPrincipal,
+    cap_message,
     replayed_charge,
 )
 from gaussdp.errors import InvalidParameter
@@ -43,6 +46,10 @@ _ATTEMPTS = 3
 _BACKOFF_S = 0.05
 
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+class _Reopened(Exception):
+    """The principal was opened by another connection between the read and the insert."""
 
 
 def others_fingerprint(others: tuple[tuple[str, int], ...]) -> str:
@@ -330,29 +337,113 @@ class PostgresStore:
     def put_api_key(self, row: ApiKeyRow) -> None:
         with self._connection() as conn:
             conn.execute(
-                f"INSERT INTO {self.schema}.gdp_api_keys (key_id, tenant, key_hash, created_at, revoked) "
-                "VALUES (%s, %s, %s, %s, %s)",
-                (row.key_id, row.tenant, row.key_hash, row.created_at, row.revoked),
+                f"INSERT INTO {self.schema}.gdp_api_keys "
+                "(key_id, tenant, key_hash, created_at, revoked, scopes, expires_at) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                (
+                    row.key_id,
+                    row.tenant,
+                    row.key_hash,
+                    row.created_at,
+                    row.revoked,
+                    row.scopes,
+                    row.expires_at,
+                ),
             )
+
+    def _keys_sql(self) -> str:
+        return (
+            "SELECT key_id, tenant, key_hash, created_at, revoked, scopes, expires_at "
+            f"FROM {self.schema}.gdp_api_keys"
+        )
 
     def get_api_key(self, key_id: str) -> ApiKeyRow | None:
         r = self._retrying(
-            lambda conn: conn.execute(
-                f"SELECT key_id, tenant, key_hash, created_at, revoked FROM {self.schema}.gdp_api_keys "
-                "WHERE key_id = %s",
-                (key_id,),
-            ).fetchone()
+            lambda conn: conn.execute(self._keys_sql() + " WHERE key_id = %s", (key_id,)).fetchone()
         )
-        return None if r is None else ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4]))
+        return None if r is None else ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6])
 
     def list_api_keys(self) -> list[ApiKeyRow]:
         rows = self._retrying(
-            lambda conn: conn.execute(
-                f"SELECT key_id, tenant, key_hash, created_at, revoked FROM {self.schema}.gdp_api_keys "
-                "ORDER BY tenant, created_at"
-            ).fetchall()
+            lambda conn: conn.execute(self._keys_sql() + " ORDER BY tenant, created_at").fetchall()
         )
-        return [ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4])) for r in rows]
+        return [ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6]) for r in rows]
+
+    def expire_api_key(self, key_id: str, expires_at: float) -> bool:
+        def work(conn: Any) -> bool:
+            cur = conn.execute(
+                f"UPDATE {self.schema}.gdp_api_keys SET expires_at = least(coalesce(expires_at, %s), %s) "
+                "WHERE key_id = %s",
+                (expires_at, expires_at, key_id),
+            )
+            return bool(cur.rowcount > 0)
+
+        return self._retrying(work)
+
+    def open_principal_within(
+        self, principal: str, epsilon: float, delta: float, accountant: str, tenant: str
+    ) -> PrincipalRow:
+        s = self.schema
+
+        def work(conn: Any) -> Any:
+            with conn.transaction():
+                r = conn.execute(self._sql["principal"], (principal,)).fetchone()
+                if r is not None:
+                    return r
+                # The tenant's row lock serialises the opens of its sessions while caps exist.
+                caps = conn.execute(f"SELECT 1 FROM {s}.gdp_tenants WHERE tenant = %s FOR UPDATE", (tenant,))
+                if caps.fetchone() is not None:
+                    ok = conn.execute(
+                        f"UPDATE {s}.gdp_tenants SET sessions = sessions + 1, "
+                        "epsilon_granted = epsilon_granted + %s WHERE tenant = %s "
+                        "AND (max_sessions IS NULL OR sessions + 1 <= max_sessions) "
+                        "AND (max_epsilon IS NULL OR epsilon_granted + %s <= max_epsilon) RETURNING 1",
+                        (epsilon, tenant, epsilon),
+                    ).fetchone()
+                    if ok is None:
+                        raise TenantLimitExceeded(cap_message(tenant, epsilon))
+                inserted = conn.execute(
+                    f"INSERT INTO {s}.gdp_principals (principal, epsilon, delta, accountant, created_at) "
+                    "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (principal) DO NOTHING RETURNING epsilon",
+                    (principal, epsilon, delta, accountant, time.time()),
+                ).fetchone()
+                if inserted is None:  # opened concurrently: count nothing (roll back the counters)
+                    raise _Reopened
+                return conn.execute(self._sql["principal"], (principal,)).fetchone()
+
+        try:
+            r = self._retrying(work)
+        except _Reopened:
+            r = self._retrying(lambda conn: conn.execute(self._sql["principal"], (principal,)).fetchone())
+        assert r is not None
+        return PrincipalRow(principal, r[0], r[1], r[2], r[3])
+
+    def set_tenant_limits(self, tenant: str, max_sessions: int | None, max_epsilon: float | None) -> None:
+        s, prefix = self.schema, tenant + "/"
+        with self._connection() as conn, conn.transaction():
+            conn.execute(
+                f"INSERT INTO {s}.gdp_tenants (tenant, max_sessions, max_epsilon) VALUES (%s, %s, %s) "
+                "ON CONFLICT (tenant) DO NOTHING",
+                (tenant, max_sessions, max_epsilon),
+            )
+            conn.execute(f"SELECT 1 FROM {s}.gdp_tenants WHERE tenant = %s FOR UPDATE", (tenant,))
+            # with the row locked, no session of the tenant opens while they are counted
+            conn.execute(
+                f"UPDATE {s}.gdp_tenants t SET max_sessions = %s, max_epsilon = %s, sessions = c.n, "
+                "epsilon_granted = c.e FROM (SELECT count(*) AS n, coalesce(sum(epsilon), 0) AS e "
+                f"FROM {s}.gdp_principals WHERE left(principal, %s) = %s) c WHERE t.tenant = %s",
+                (max_sessions, max_epsilon, len(prefix), prefix, tenant),
+            )
+
+    def get_tenant_limits(self, tenant: str) -> TenantLimits | None:
+        r = self._retrying(
+            lambda conn: conn.execute(
+                "SELECT tenant, max_sessions, max_epsilon, sessions, epsilon_granted "
+                f"FROM {self.schema}.gdp_tenants WHERE tenant = %s",
+                (tenant,),
+            ).fetchone()
+        )
+        return None if r is None else TenantLimits(r[0], r[1], r[2], int(r[3]), float(r[4]))
 
     def revoke_api_key(self, key_id: str) -> bool:
         def work(conn: Any) -> bool:  # idempotent

@@ -25,12 +25,18 @@ from gaussdp.budget.store import (
     PrincipalRow,
     StoredCharge,
     StoreUnavailable,
+    TenantLimitExceeded,
+    TenantLimits,
     UnknownPrincipal,
+    cap_message,
     replayed_charge,
 )
 from gaussdp.errors import InvalidParameter
 
 __all__ = ["SQLiteStore"]
+
+
+_KEY_COLUMNS = "SELECT key_id, tenant, key_hash, created_at, revoked, scopes, expires_at FROM gdp_api_keys"
 
 
 class SQLiteStore:
@@ -239,26 +245,101 @@ class SQLiteStore:
     def put_api_key(self, row: ApiKeyRow) -> None:
         with self._conn() as conn:
             conn.execute(
-                "INSERT INTO gdp_api_keys (key_id, tenant, key_hash, created_at, revoked) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (row.key_id, row.tenant, row.key_hash, row.created_at, int(row.revoked)),
+                "INSERT INTO gdp_api_keys "
+                "(key_id, tenant, key_hash, created_at, revoked, scopes, expires_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    row.key_id,
+                    row.tenant,
+                    row.key_hash,
+                    row.created_at,
+                    int(row.revoked),
+                    row.scopes,
+                    row.expires_at,
+                ),
             )
 
     def get_api_key(self, key_id: str) -> ApiKeyRow | None:
         with self._conn() as conn:
-            r = conn.execute(
-                "SELECT key_id, tenant, key_hash, created_at, revoked FROM gdp_api_keys WHERE key_id = ?",
-                (key_id,),
-            ).fetchone()
-        return None if r is None else ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4]))
+            r = conn.execute(_KEY_COLUMNS + " WHERE key_id = ?", (key_id,)).fetchone()
+        return None if r is None else ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6])
 
     def list_api_keys(self) -> list[ApiKeyRow]:
         with self._conn() as conn:
-            rows = conn.execute(
-                "SELECT key_id, tenant, key_hash, created_at, revoked FROM gdp_api_keys "
-                "ORDER BY tenant, created_at"
-            ).fetchall()
-        return [ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4])) for r in rows]
+            rows = conn.execute(_KEY_COLUMNS + " ORDER BY tenant, created_at").fetchall()
+        return [ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6]) for r in rows]
+
+    def expire_api_key(self, key_id: str, expires_at: float) -> bool:
+        with self._conn() as conn:
+            cur = conn.execute(
+                "UPDATE gdp_api_keys SET expires_at = min(coalesce(expires_at, ?), ?) WHERE key_id = ?",
+                (expires_at, expires_at, key_id),
+            )
+            return cur.rowcount > 0
+
+    def open_principal_within(
+        self, principal: str, epsilon: float, delta: float, accountant: str, tenant: str
+    ) -> PrincipalRow:
+        with self._write_lock, self._conn() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._principal(conn, principal)
+                if row is None:
+                    has_caps = conn.execute(
+                        "SELECT 1 FROM gdp_tenants WHERE tenant = ?", (tenant,)
+                    ).fetchone()
+                    if has_caps is not None:
+                        cur = conn.execute(
+                            "UPDATE gdp_tenants SET sessions = sessions + 1, "
+                            "epsilon_granted = epsilon_granted + ? "
+                            "WHERE tenant = ? AND (max_sessions IS NULL OR sessions + 1 <= max_sessions) "
+                            "AND (max_epsilon IS NULL OR epsilon_granted + ? <= max_epsilon)",
+                            (epsilon, tenant, epsilon),
+                        )
+                        if cur.rowcount == 0:
+                            raise TenantLimitExceeded(cap_message(tenant, epsilon))
+                    conn.execute(
+                        "INSERT INTO gdp_principals (principal, epsilon, delta, accountant, created_at) "
+                        "VALUES (?, ?, ?, ?, ?)",
+                        (principal, epsilon, delta, accountant, time.time()),
+                    )
+                    row = self._principal(conn, principal)
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+        assert row is not None
+        return row
+
+    def set_tenant_limits(self, tenant: str, max_sessions: int | None, max_epsilon: float | None) -> None:
+        prefix = tenant + "/"
+        with self._write_lock, self._conn() as conn:
+            conn.execute("BEGIN IMMEDIATE")  # no session of the tenant opens while it is counted
+            try:
+                conn.execute(
+                    "INSERT INTO gdp_tenants (tenant, max_sessions, max_epsilon, sessions, epsilon_granted) "
+                    "SELECT ?, ?, ?, count(*), coalesce(sum(epsilon), 0) FROM gdp_principals "
+                    "WHERE substr(principal, 1, ?) = ? "
+                    "ON CONFLICT (tenant) DO UPDATE SET max_sessions = excluded.max_sessions, "
+                    "max_epsilon = excluded.max_epsilon, sessions = excluded.sessions, "
+                    "epsilon_granted = excluded.epsilon_granted",
+                    (tenant, max_sessions, max_epsilon, len(prefix), prefix),
+                )
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+
+    def get_tenant_limits(self, tenant: str) -> TenantLimits | None:
+        with self._conn() as conn:
+            r = conn.execute(
+                "SELECT tenant, max_sessions, max_epsilon, sessions, epsilon_granted FROM gdp_tenants "
+                "WHERE tenant = ?",
+                (tenant,),
+            ).fetchone()
+        return None if r is None else TenantLimits(r[0], r[1], r[2], int(r[3]), float(r[4]))
 
     def revoke_api_key(self, key_id: str) -> bool:
         with self._conn() as conn:

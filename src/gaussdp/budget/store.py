@@ -27,6 +27,8 @@ __all__ = [
     "Store",
     "StoreUnavailable",
     "StoredCharge",
+    "TenantLimitExceeded",
+    "TenantLimits",
     "UnknownPrincipal",
     "open_store",
     "replayed_charge",
@@ -91,6 +93,30 @@ class ApiKeyRow:
     key_hash: str
     created_at: float
     revoked: bool
+    scopes: str = "release"  # space-separated: read, release, admin
+    expires_at: float | None = None  # unix time; None: never
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """Caps on what a tenant may grant its sessions, and the counters checked against them."""
+
+    tenant: str
+    max_sessions: int | None
+    max_epsilon: float | None
+    sessions: int = 0
+    epsilon_granted: float = 0.0
+
+
+class TenantLimitExceeded(PrivacyError):
+    """Opening the session would pass its tenant's cap on sessions or on total epsilon granted."""
+
+
+def cap_message(tenant: str, epsilon: float) -> str:
+    return (
+        f"tenant {tenant!r}: opening this session (epsilon={epsilon!r}) would pass the tenant's cap on "
+        "sessions or on total epsilon granted; nothing was opened"
+    )
 
 
 # decide(principal_row, groups) -> within_budget; raises (e.g. BudgetExhausted) to record nothing.
@@ -137,6 +163,20 @@ class Store(Protocol):
     def list_api_keys(self) -> list[ApiKeyRow]: ...
 
     def revoke_api_key(self, key_id: str) -> bool: ...
+
+    def expire_api_key(self, key_id: str, expires_at: float) -> bool:
+        """Set the key's expiry (to the earlier of the stored one and ``expires_at``)."""
+
+    def open_principal_within(
+        self, principal: str, epsilon: float, delta: float, accountant: str, tenant: str
+    ) -> PrincipalRow:
+        """:meth:`open_principal`, counted against ``tenant``'s caps atomically (raises
+        :class:`TenantLimitExceeded`); reopening an existing principal counts nothing."""
+
+    def set_tenant_limits(self, tenant: str, max_sessions: int | None, max_epsilon: float | None) -> None:
+        """Set the caps (counting the sessions ``tenant/...`` already open)."""
+
+    def get_tenant_limits(self, tenant: str) -> TenantLimits | None: ...
 
     def ping(self) -> None:
         """Reach the database with a trivial query; raise :class:`StoreUnavailable` when it cannot."""

@@ -20,7 +20,11 @@ def register(app: typer.Typer) -> None:
     keys.command("create")(keys_create)
     keys.command("list")(keys_list)
     keys.command("revoke")(keys_revoke)
+    keys.command("rotate")(keys_rotate)
     app.add_typer(keys, name="keys")
+    tenants = typer.Typer(help="Per-tenant caps.", no_args_is_help=True)
+    tenants.command("limits")(tenants_limits)
+    app.add_typer(tenants, name="tenants")
     ledger = typer.Typer(help="Inspect the privacy ledger.", no_args_is_help=True)
     ledger.command("show")(ledger_show)
     app.add_typer(ledger, name="ledger")
@@ -56,15 +60,24 @@ def serve(
 def keys_create(
     tenant: str = typer.Argument(..., help="Tenant name: letters, digits, '_', '.', '-'."),
     db: str = typer.Option(DEFAULT_DB, "--db", help=_DB_HELP),
+    scope: str = typer.Option(
+        "release", help="read (GET routes), release (read + releases), admin (+ audit)."
+    ),
+    expires_in_s: float | None = typer.Option(
+        None, "--expires-in-s", help="Refused this many seconds from now."
+    ),
 ) -> None:
     """Create an API key for TENANT and print it once (only its hash is stored)."""
+    import time
+
     from gaussdp.budget import Ledger
     from gaussdp.errors import PrivacyError
     from gaussdp.service.keys import create_api_key
 
+    expires_at = None if expires_in_s is None else time.time() + expires_in_s
     with Ledger(db) as ledger:
         try:
-            key = create_api_key(ledger.store, tenant)
+            key = create_api_key(ledger.store, tenant, scope=scope, expires_at=expires_at)
         except PrivacyError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
@@ -81,14 +94,21 @@ def keys_list(db: str = typer.Option(DEFAULT_DB, "--db", help=_DB_HELP)) -> None
     with Ledger(db) as ledger:
         for row in ledger.store.list_api_keys():
             when = dt.datetime.fromtimestamp(row.created_at, dt.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
-            typer.echo(f"{row.key_id}  {row.tenant}  {when}{'  revoked' if row.revoked else ''}")
+            expires = (
+                ""
+                if row.expires_at is None
+                else "  expires "
+                + dt.datetime.fromtimestamp(row.expires_at, dt.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+            )
+            revoked = "  revoked" if row.revoked else ""
+            typer.echo(f"{row.key_id}  {row.tenant}  {row.scopes}  {when}{expires}{revoked}")
 
 
 def keys_revoke(
     key_id: str = typer.Argument(..., help="The id shown by `gaussdp keys list`."),
     db: str = typer.Option(DEFAULT_DB, "--db", help=_DB_HELP),
 ) -> None:
-    """Revoke a key (running servers stop accepting it within 30 s)."""
+    """Revoke a key (running servers stop accepting it within 1 s)."""
     from gaussdp.budget import Ledger
 
     with Ledger(db) as ledger:
@@ -96,6 +116,50 @@ def keys_revoke(
             typer.echo(f"error: no key with id {key_id!r}", err=True)
             raise typer.Exit(2)
     typer.echo(f"revoked {key_id}")
+
+
+def keys_rotate(
+    key_id: str = typer.Argument(..., help="The id shown by `gaussdp keys list`."),
+    db: str = typer.Option(DEFAULT_DB, "--db", help=_DB_HELP),
+    grace_s: float = typer.Option(3600.0, "--grace-s", help="The old key keeps working this long."),
+) -> None:
+    """Print a new key with the tenant and scope of KEY_ID; the old key expires after --grace-s."""
+    from gaussdp.budget import Ledger
+    from gaussdp.errors import PrivacyError
+    from gaussdp.service.keys import rotate_api_key
+
+    with Ledger(db) as ledger:
+        try:
+            key = rotate_api_key(ledger.store, key_id, grace_s=grace_s)
+        except PrivacyError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+    typer.echo(key)
+    typer.echo(f"(new key; {key_id} expires in {grace_s:g} s)", err=True)
+
+
+def tenants_limits(
+    tenant: str = typer.Argument(..., help="Tenant name."),
+    db: str = typer.Option(DEFAULT_DB, "--db", help=_DB_HELP),
+    max_sessions: int | None = typer.Option(None, "--max-sessions", help="Sessions the tenant may open."),
+    max_epsilon: float | None = typer.Option(
+        None, "--max-epsilon", help="Total epsilon the tenant may grant its sessions."
+    ),
+) -> None:
+    """Set TENANT's caps (none given: show them); sessions already open are counted."""
+    from gaussdp.budget import Ledger
+
+    with Ledger(db) as ledger:
+        if max_sessions is not None or max_epsilon is not None:
+            ledger.store.set_tenant_limits(tenant, max_sessions, max_epsilon)
+        limits = ledger.store.get_tenant_limits(tenant)
+    if limits is None:
+        typer.echo(f"{tenant}: no caps")
+    else:
+        typer.echo(
+            f"{tenant}: sessions {limits.sessions}/{limits.max_sessions or '-'}, "
+            f"epsilon granted {limits.epsilon_granted:g}/{limits.max_epsilon or '-'}"
+        )
 
 
 def ledger_show(

@@ -24,6 +24,7 @@ import binascii
 import functools
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -48,11 +49,12 @@ from gaussdp.budget import (
     LedgerContention,
     PrincipalConflict,
     StoreUnavailable,
+    TenantLimitExceeded,
     UnknownPrincipal,
 )
 from gaussdp.errors import PrivacyError, WorkLimitExceeded
-from gaussdp.service.keys import key_id_of, verify_api_key
-from gaussdp.service.limits import BodySizeLimit
+from gaussdp.service.keys import check_api_key, key_id_of, scope_allows
+from gaussdp.service.limits import BodySizeLimit, RateLimiter
 from gaussdp.service.models import (
     SESSION_ID_PATTERN,
     AuditLine,
@@ -72,14 +74,21 @@ from gaussdp.service.models import (
     SessionOut,
 )
 
-__all__ = ["DEFAULT_CPU_LIMIT_S", "DEFAULT_LEDGER_URL", "DEFAULT_MAX_BODY_BYTES", "create_app"]
+__all__ = [
+    "DEFAULT_CPU_LIMIT_S",
+    "DEFAULT_LEDGER_URL",
+    "DEFAULT_MAX_BODY_BYTES",
+    "create_app",
+    "create_text_app",
+]
 
 logger = logging.getLogger("gaussdp.service")
 
 DEFAULT_LEDGER_URL = "sqlite:///gaussdp-ledger.db"
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_CPU_LIMIT_S = 1.0
-_KEY_CACHE_SECONDS = 30.0
+# A verified key is remembered this long: a revoked key stops working within it, in every worker.
+_KEY_CACHE_SECONDS = 1.0
 HISTORY_DEFAULT_LIMIT = 100
 HISTORY_MAX_LIMIT = 1000
 _EXPORT_PAGE = 1000
@@ -122,10 +131,13 @@ def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 class Caller(NamedTuple):
-    """Who makes a request: the tenant of the API key, and the key's id (recorded with each charge)."""
+    """Who makes a request: the tenant of the API key, the key's id (recorded with each charge), its
+    scope, and its expiry."""
 
     tenant: str
     key_id: str
+    scope: str = "release"
+    expires_at: float | None = None
 
 
 # A cursor is opaque to clients: 11 base64url characters (8 bytes). Every string of that shape is a
@@ -159,11 +171,12 @@ class _Tenants:
         with self._lock:
             hit = self._cache.get(key)
         if hit is not None and now - hit[1] < _KEY_CACHE_SECONDS:
-            return hit[0]
-        tenant = verify_api_key(self._ledger.store, key)
-        if tenant is None:
+            expires_at = hit[0].expires_at
+            return hit[0] if expires_at is None or time.time() < expires_at else None
+        row = check_api_key(self._ledger.store, key)
+        if row is None:
             return None
-        caller = Caller(tenant, key_id_of(key))
+        caller = Caller(row.tenant, key_id_of(key), row.scopes, row.expires_at)
         with self._lock:
             if len(self._cache) > 10_000:
                 self._cache.clear()
@@ -179,6 +192,9 @@ def create_app(
     noise: Literal["secure", "fast"] = "secure",
     lora_adapters: Mapping[str, Any] | None = None,
     cpu_limit_s: float = DEFAULT_CPU_LIMIT_S,
+    rate_limit_per_s: float | None = None,
+    rate_limit_burst: int | None = None,
+    text: Literal["keyed", "public", "off"] = "keyed",
 ) -> FastAPI:
     """Build the service over a ledger (opened from ``ledger_url`` unless ``ledger`` is given).
 
@@ -195,7 +211,16 @@ def create_app(
             past it the request is answered 422 ``work_limit_exceeded`` with nothing charged (the
             ledger computes before it charges). Every routine is bounded well below the default of
             1 s for the parameters the API accepts; the limit is the backstop.
+        rate_limit_per_s: requests a second each API key may make (token bucket, per worker
+            process; ``None``: no limit); past it 429 with ``Retry-After``.
+        rate_limit_burst: the bucket's size (default: the rate rounded up).
+        text: the ``/text`` page and its routes (:mod:`gaussdp.text.web`, when importable):
+            ``"keyed"`` (default: any valid API key of scope ``release``), ``"public"`` (no key), or
+            ``"off"`` (serve them on their own app: :func:`create_text_app`).
     """
+    if text not in ("keyed", "public", "off"):
+        raise ValueError(f"text must be 'keyed', 'public' or 'off', got text={text!r}")
+    limiter = None if rate_limit_per_s is None else RateLimiter(rate_limit_per_s, rate_limit_burst)
     if not cpu_limit_s > 0:
         raise ValueError(f"cpu_limit_s must be > 0, got cpu_limit_s={cpu_limit_s!r}")
     owns_ledger = ledger is None
@@ -223,10 +248,32 @@ def create_app(
     def caller_of(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller:
         caller = None if creds is None else tenants.tenant(creds.credentials)
         if caller is None:
-            raise HTTPException(401, "missing or invalid API key", headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401, "missing, invalid, revoked or expired API key", headers={"WWW-Authenticate": "Bearer"}
+            )
+        if limiter is not None:
+            wait = limiter.take(caller.key_id)
+            if wait > 0:
+                raise HTTPException(
+                    429,
+                    f"rate limit of this API key ({limiter.rate:g} requests/s) reached; retry later",
+                    headers={"Retry-After": str(max(1, math.ceil(wait)))},
+                )
         return caller
 
-    Who = Annotated[Caller, Depends(caller_of)]
+    def needs(scope: str) -> Callable[[Caller], Caller]:
+        def scoped(caller: Annotated[Caller, Depends(caller_of)]) -> Caller:
+            if not scope_allows(caller.scope, scope):
+                raise HTTPException(
+                    403, f"this API key's scope {caller.scope!r} does not allow {scope!r} routes"
+                )
+            return caller
+
+        return scoped
+
+    Who = Annotated[Caller, Depends(needs("read"))]
+    Releaser = Annotated[Caller, Depends(needs("release"))]
+    Admin = Annotated[Caller, Depends(needs("admin"))]
 
     def bounded(route: Callable[..., Any]) -> Callable[..., Any]:
         """Run a (sync) route under the per-request CPU limit, in the worker thread that runs it."""
@@ -283,6 +330,10 @@ def create_app(
         return JSONResponse(
             {"detail": str(exc), "error": "ledger_contention"}, status_code=409, headers={"Retry-After": "1"}
         )
+
+    @app.exception_handler(TenantLimitExceeded)
+    async def _tenant_limit(request: Request, exc: TenantLimitExceeded) -> JSONResponse:
+        return JSONResponse({"detail": str(exc), "error": "tenant_limit_exceeded"}, status_code=409)
 
     @app.exception_handler(PrincipalConflict)
     async def _conflict(request: Request, exc: PrincipalConflict) -> JSONResponse:
@@ -348,17 +399,20 @@ def create_app(
         status_code=201,
         response_model=SessionOut,
         tags=["sessions"],
-        responses=_responses(400, 401, 409, 413, 422, 503),
+        responses=_responses(400, 401, 403, 409, 413, 422, 429, 503),
     )
     @bounded
-    def create_session(body: SessionIn, who: Who) -> SessionOut:
-        """Open a session with a total (epsilon, delta) budget; its releases are charged to it."""
+    def create_session(body: SessionIn, who: Releaser) -> SessionOut:
+        """Open a session with a total (epsilon, delta) budget; its releases are charged to it.
+
+        Counted against the tenant's caps, when it has some (409 ``tenant_limit_exceeded``).
+        """
         session_id = body.session_id or secrets.token_urlsafe(12)
         p = principal(who.tenant, session_id)
-        led.open(p, Budget(body.epsilon, body.delta), accountant=body.accountant)
+        led.open(p, Budget(body.epsilon, body.delta), accountant=body.accountant, tenant=who.tenant)
         return session_out(p, session_id)
 
-    @app.get("/v1/sessions", tags=["sessions"], responses=_responses(401, 503))
+    @app.get("/v1/sessions", tags=["sessions"], responses=_responses(401, 429, 503))
     def list_sessions(who: Who) -> list[str]:
         """The ids of this tenant's sessions."""
         prefix = principal(who.tenant, "")
@@ -368,7 +422,7 @@ def create_app(
         "/v1/sessions/{session_id}",
         response_model=SessionOut,
         tags=["sessions"],
-        responses=_responses(401, 404, 422, 503),
+        responses=_responses(401, 404, 422, 429, 503),
     )
     @bounded
     def get_session(session_id: SessionId, who: Who) -> SessionOut:
@@ -379,7 +433,7 @@ def create_app(
         "/v1/sessions/{session_id}/history",
         response_model=HistoryPage,
         tags=["sessions"],
-        responses=_responses(401, 404, 422, 503),
+        responses=_responses(401, 404, 422, 429, 503),
     )
     def session_history(
         session_id: SessionId,
@@ -407,11 +461,11 @@ def create_app(
         response_class=StreamingResponse,
         responses={
             200: {"content": {"application/x-ndjson": {"schema": AuditLine.model_json_schema()}}},
-            **_responses(401, 422, 503),
+            **_responses(401, 403, 422, 429, 503),
         },
     )
     def audit_export(
-        who: Who,
+        who: Admin,
         cursor: Annotated[
             str | None, Query(pattern=CURSOR_PATTERN, description="next_cursor of an earlier export.")
         ] = None,
@@ -444,10 +498,10 @@ def create_app(
         "/v1/sessions/{session_id}/release",
         response_model=ReleaseOut,
         tags=["releases"],
-        responses=_responses(400, 401, 404, 409, 413, 422, 503),
+        responses=_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
     )
     @bounded
-    def release(session_id: SessionId, body: ReleaseIn, who: Who) -> ReleaseOut:
+    def release(session_id: SessionId, body: ReleaseIn, who: Releaser) -> ReleaseOut:
         """Clip a vector to L2 norm ``sensitivity``, add calibrated Gaussian noise; charged first."""
         p = owned(who.tenant, session_id)
         x = _vector(body.vector, body.vector_b64, "vector_b64")
@@ -468,10 +522,10 @@ def create_app(
         "/v1/sessions/{session_id}/hidden-state",
         response_model=HiddenStateOut,
         tags=["releases"],
-        responses=_responses(400, 401, 404, 409, 413, 422, 503),
+        responses=_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
     )
     @bounded
-    def hidden_state(session_id: SessionId, body: HiddenStateIn, who: Who) -> HiddenStateOut:
+    def hidden_state(session_id: SessionId, body: HiddenStateIn, who: Releaser) -> HiddenStateOut:
         """Document 000's split mode, TRUSTED server: clip the state to ``clip_norm``, noise it, charge.
 
         The server sees the clean hidden state; with an honest-but-curious server use ``/lora-delta``.
@@ -505,10 +559,10 @@ def create_app(
         "/v1/sessions/{session_id}/lora-delta",
         response_model=LoraDeltaOut,
         tags=["releases"],
-        responses=_responses(400, 401, 404, 409, 413, 422, 503),
+        responses=_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
     )
     @bounded
-    def lora_delta(session_id: SessionId, body: LoraDeltaIn, who: Who) -> LoraDeltaOut:
+    def lora_delta(session_id: SessionId, body: LoraDeltaIn, who: Releaser) -> LoraDeltaOut:
         """Document 000's split mode, untrusted server: the LoRA delta of rows the CLIENT privatized.
 
         Each row of ``noised`` (or ``noised_b64``, row-major float32 with the adapter's hidden size)
@@ -560,7 +614,17 @@ def create_app(
             remaining=Privacy(epsilon=max(0.0, budget.epsilon - spent.epsilon), delta=budget.delta),
         )
 
-    _include_optional_routers(app)
+    if text != "off":
+        keyed = [Depends(needs("release"))] if text == "keyed" else []
+        _include_optional_routers(app, keyed)
+    return app
+
+
+def create_text_app() -> FastAPI:
+    """The ``/text`` page and its routes alone, without the ledger or keys (deploy apart from it:
+    its perturbation runs in the browser, and submissions are not charged to any budget)."""
+    app = FastAPI(title="gaussdp text", version=_version())
+    _include_optional_routers(app, [])
     return app
 
 
@@ -703,13 +767,14 @@ def _encode(out: Any, name: str, *, b64: bool) -> dict[str, Any]:
     return {name: arr.astype(np.float64).tolist()}
 
 
-def _include_optional_routers(app: FastAPI) -> None:
+def _include_optional_routers(app: FastAPI, dependencies: list[Any]) -> None:
     """Routers other topics contribute, when their modules (and extras) are importable."""
     try:
         from gaussdp.text.web import router as text_router
     except ImportError:
         return
-    app.include_router(text_router)
+    responses = _responses(401, 403, 429) if dependencies else {}
+    app.include_router(text_router, dependencies=dependencies, responses=responses)
 
 
 def _version() -> str:
