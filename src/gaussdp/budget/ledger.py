@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from collections.abc import Mapping
@@ -402,6 +403,17 @@ class Ledger:
         if not groups:
             return Spent(0.0, 0.0)
         return Spent(self._composer.epsilon(row.accountant, row.delta, groups), row.delta)
+
+    def increase(self, receipt: Receipt) -> float:
+        """How much the charge of ``receipt`` raised its principal's composed epsilon (0 for a replay)."""
+        if receipt.replayed or receipt.composed is None:
+            return 0.0
+        row = self._row(receipt.principal)
+        key = json.dumps(receipt.event, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        before = tuple((k, c - 1 if k == key else c) for k, c in receipt.composed if k != key or c > 1)
+        after_eps = self._composer.epsilon(row.accountant, row.delta, receipt.composed)
+        before_eps = self._composer.epsilon(row.accountant, row.delta, before) if before else 0.0
+        return max(0.0, after_eps - before_eps)
 
     def remaining(self, principal: str) -> Spent:
         """``budget.epsilon - spent.epsilon`` (at the budget's delta, floored at 0).

@@ -36,25 +36,84 @@ def _missing_extra() -> None:
 
 
 def serve(
-    db: str = typer.Option(DEFAULT_DB, "--db", help=_DB_HELP),
-    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
-    port: int = typer.Option(8000, help="TCP port."),
-    max_body_bytes: int = typer.Option(8 * 1024 * 1024, help="Larger request bodies get 413."),
+    db: str = typer.Option(DEFAULT_DB, "--db", envvar="GAUSSDP_DB", help=_DB_HELP),
+    host: str = typer.Option("127.0.0.1", envvar="GAUSSDP_HOST", help="Interface to listen on."),
+    port: int = typer.Option(8000, envvar="GAUSSDP_PORT", help="TCP port."),
+    workers: int = typer.Option(1, "--workers", envvar="GAUSSDP_WORKERS", min=1, help="Worker processes."),
+    max_body_bytes: int = typer.Option(
+        8 * 1024 * 1024, envvar="GAUSSDP_MAX_BODY_BYTES", help="Larger request bodies get 413."
+    ),
     cpu_limit_s: float = typer.Option(
-        1.0, "--cpu-limit-s", help="CPU seconds of numeric work per request; past it 422, nothing charged."
+        1.0,
+        "--cpu-limit-s",
+        envvar="GAUSSDP_CPU_LIMIT_S",
+        help="CPU seconds of numeric work per request; past it 422, nothing charged.",
+    ),
+    rate_limit_per_s: float | None = typer.Option(
+        None, envvar="GAUSSDP_RATE_LIMIT_PER_S", help="Requests/s per API key and worker; past it 429."
+    ),
+    rate_limit_burst: int | None = typer.Option(None, envvar="GAUSSDP_RATE_LIMIT_BURST", help="Bucket size."),
+    text: str = typer.Option("keyed", envvar="GAUSSDP_TEXT", help="/text routes: keyed, public or off."),
+    metrics: str = typer.Option(
+        "keyed", envvar="GAUSSDP_METRICS", help="/metrics: keyed (admin), public or off."
+    ),
+    ssl_certfile: Path | None = typer.Option(
+        None, envvar="GAUSSDP_SSL_CERTFILE", help="TLS certificate (PEM)."
+    ),
+    ssl_keyfile: Path | None = typer.Option(
+        None, envvar="GAUSSDP_SSL_KEYFILE", help="TLS private key (PEM)."
     ),
 ) -> None:
-    """Run the gaussdp HTTP service (OpenAPI docs at /docs)."""
+    """Run the gaussdp HTTP service (OpenAPI docs at /docs). Every option also reads GAUSSDP_*."""
+    import os
+
     try:
-        from gaussdp.service.app import create_app
-        from gaussdp.service.server import serve as run
+        from gaussdp.budget import Ledger
+        from gaussdp.service.config import ENV, settings_from_env
+        from gaussdp.service.server import serve_factory
     except ImportError:
         _missing_extra()
-    app = create_app(db, max_body_bytes=max_body_bytes, cpu_limit_s=cpu_limit_s)
-    if not app.state.ledger.store.list_api_keys():
-        typer.echo(f"no API keys yet: create one with  gaussdp keys create TENANT --db {db}", err=True)
-    typer.echo(f"gaussdp service on http://{host}:{port}  (docs: http://{host}:{port}/docs, ledger: {db})")
-    run(app, host=host, port=port)
+    if (ssl_certfile is None) != (ssl_keyfile is None):
+        typer.echo("error: TLS needs both --ssl-certfile and --ssl-keyfile", err=True)
+        raise typer.Exit(2)
+    chosen = {
+        "ledger_url": db,
+        "cpu_limit_s": cpu_limit_s,
+        "max_body_bytes": max_body_bytes,
+        "rate_limit_per_s": rate_limit_per_s,
+        "rate_limit_burst": rate_limit_burst,
+        "text": text,
+        "metrics": metrics,
+    }
+    for name, value in chosen.items():  # the workers build their app from the environment
+        if value is None:
+            os.environ.pop(ENV[name], None)
+        else:
+            os.environ[ENV[name]] = str(value)
+    try:
+        settings = settings_from_env()
+        from gaussdp.service.app import create_app
+
+        create_app(ledger=Ledger("memory://"), **{k: v for k, v in settings.items() if k != "ledger_url"})
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    with Ledger(db) as ledger:  # the schema is migrated once here, before any worker starts
+        if not ledger.store.list_api_keys():
+            typer.echo(f"no API keys yet: create one with  gaussdp keys create TENANT --db {db}", err=True)
+    scheme = "https" if ssl_certfile else "http"
+    typer.echo(
+        f"gaussdp service on {scheme}://{host}:{port} with {workers} worker(s)  "
+        f"(docs: {scheme}://{host}:{port}/docs, ledger: {db})"
+    )
+    serve_factory(
+        "gaussdp.service.config:app_from_env",
+        host=host,
+        port=port,
+        workers=workers,
+        ssl_certfile=None if ssl_certfile is None else str(ssl_certfile),
+        ssl_keyfile=None if ssl_keyfile is None else str(ssl_keyfile),
+    )
 
 
 def keys_create(

@@ -36,7 +36,7 @@ import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -55,6 +55,7 @@ from gaussdp.budget import (
 from gaussdp.errors import PrivacyError, WorkLimitExceeded
 from gaussdp.service.keys import check_api_key, key_id_of, scope_allows
 from gaussdp.service.limits import BodySizeLimit, RateLimiter
+from gaussdp.service.metrics import Metrics
 from gaussdp.service.models import (
     SESSION_ID_PATTERN,
     AuditLine,
@@ -195,6 +196,7 @@ def create_app(
     rate_limit_per_s: float | None = None,
     rate_limit_burst: int | None = None,
     text: Literal["keyed", "public", "off"] = "keyed",
+    metrics: Literal["keyed", "public", "off"] = "keyed",
 ) -> FastAPI:
     """Build the service over a ledger (opened from ``ledger_url`` unless ``ledger`` is given).
 
@@ -217,7 +219,13 @@ def create_app(
         text: the ``/text`` page and its routes (:mod:`gaussdp.text.web`, when importable):
             ``"keyed"`` (default: any valid API key of scope ``release``), ``"public"`` (no key), or
             ``"off"`` (serve them on their own app: :func:`create_text_app`).
+        metrics: ``/metrics`` in Prometheus text format (:mod:`gaussdp.service.metrics`):
+            ``"keyed"`` (default: an ``admin`` key; tenant names are labels), ``"public"`` (for a
+            scraper on a private network), or ``"off"``.
     """
+    if metrics not in ("keyed", "public", "off"):
+        raise ValueError(f"metrics must be 'keyed', 'public' or 'off', got metrics={metrics!r}")
+    stats = None if metrics == "off" else Metrics()
     if text not in ("keyed", "public", "off"):
         raise ValueError(f"text must be 'keyed', 'public' or 'off', got text={text!r}")
     limiter = None if rate_limit_per_s is None else RateLimiter(rate_limit_per_s, rate_limit_burst)
@@ -243,17 +251,42 @@ def create_app(
     )
     app.state.ledger = led
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
+
+    def refused(reason: str) -> None:
+        if stats is not None:
+            stats.refusals.labels(reason).inc()
+
+    def charged(who: Caller, receipt: Any) -> None:
+        if stats is not None and not receipt.replayed:
+            stats.charges.labels(who.tenant).inc()
+            stats.epsilon.labels(who.tenant).inc(led.increase(receipt))
+
+    if stats is not None:
+
+        @app.middleware("http")
+        async def _timing(request: Request, call_next: Any) -> Any:
+            t0 = time.perf_counter()
+            response = await call_next(request)
+            route = request.scope.get("route")
+            path = getattr(route, "path", "unmatched")  # the template: bounded label values
+            stats.requests.labels(path, request.method, str(response.status_code)).observe(
+                time.perf_counter() - t0
+            )
+            return response
+
     bearer = HTTPBearer(auto_error=False, description="An API key from `gaussdp keys create TENANT`.")
 
     def caller_of(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller:
         caller = None if creds is None else tenants.tenant(creds.credentials)
         if caller is None:
+            refused("unauthorized")
             raise HTTPException(
                 401, "missing, invalid, revoked or expired API key", headers={"WWW-Authenticate": "Bearer"}
             )
         if limiter is not None:
             wait = limiter.take(caller.key_id)
             if wait > 0:
+                refused("rate_limited")
                 raise HTTPException(
                     429,
                     f"rate limit of this API key ({limiter.rate:g} requests/s) reached; retry later",
@@ -264,6 +297,7 @@ def create_app(
     def needs(scope: str) -> Callable[[Caller], Caller]:
         def scoped(caller: Annotated[Caller, Depends(caller_of)]) -> Caller:
             if not scope_allows(caller.scope, scope):
+                refused("forbidden")
                 raise HTTPException(
                     403, f"this API key's scope {caller.scope!r} does not allow {scope!r} routes"
                 )
@@ -310,6 +344,7 @@ def create_app(
 
     @app.exception_handler(BudgetExhausted)
     async def _exhausted(request: Request, exc: BudgetExhausted) -> JSONResponse:
+        refused("budget_exhausted")
         return JSONResponse({"detail": str(exc), "error": "budget_exhausted"}, status_code=409)
 
     @app.exception_handler(RequestValidationError)
@@ -323,16 +358,19 @@ def create_app(
 
     @app.exception_handler(WorkLimitExceeded)
     async def _work_limit(request: Request, exc: WorkLimitExceeded) -> JSONResponse:
+        refused("work_limit_exceeded")
         return JSONResponse({"detail": str(exc), "error": "work_limit_exceeded"}, status_code=422)
 
     @app.exception_handler(LedgerContention)
     async def _contention(request: Request, exc: LedgerContention) -> JSONResponse:
+        refused("ledger_contention")
         return JSONResponse(
             {"detail": str(exc), "error": "ledger_contention"}, status_code=409, headers={"Retry-After": "1"}
         )
 
     @app.exception_handler(TenantLimitExceeded)
     async def _tenant_limit(request: Request, exc: TenantLimitExceeded) -> JSONResponse:
+        refused("tenant_limit_exceeded")
         return JSONResponse({"detail": str(exc), "error": "tenant_limit_exceeded"}, status_code=409)
 
     @app.exception_handler(PrincipalConflict)
@@ -360,6 +398,7 @@ def create_app(
 
     @app.exception_handler(StoreUnavailable)
     async def _unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        refused("database_unavailable")
         logger.warning("ledger database unavailable: %s", exc)
         return JSONResponse(
             {
@@ -508,6 +547,7 @@ def create_app(
         mech = _mechanism(body.epsilon, body.delta, body.sigma, body.sensitivity, noise)
         receipt, out = _charge_then_release(led, p, mech, x, body.idempotency_key, who.key_id)
         with no_cpu_limit():  # charged: the answer must not fail on the limit now
+            charged(who, receipt)
             budget, spent = led.budget(p), led.spent(p, as_of=receipt)
         return ReleaseOut(
             **_encode(out, "vector", b64=body.vector_b64 is not None),
@@ -543,6 +583,7 @@ def create_app(
         mech = _mechanism(body.epsilon, body.delta, body.sigma, sensitivity, noise)
         receipt, out = _charge_then_release(led, p, mech, x, body.idempotency_key, who.key_id)
         with no_cpu_limit():  # charged: the answer must not fail on the limit now
+            charged(who, receipt)
             epsilon_spent = led.spent(p, as_of=receipt).epsilon
         return HiddenStateOut(
             **_encode(out, "noised", b64=body.hidden_state_b64 is not None),
@@ -600,6 +641,7 @@ def create_app(
                 "(the first response is the only one)",
             )
         with no_cpu_limit():  # charged: the answer must not fail on the limit now
+            charged(who, receipt)
             budget, spent = led.budget(p), led.spent(p, as_of=receipt)
         return LoraDeltaOut(
             **_encode(out, "delta", b64=b64),
@@ -613,6 +655,22 @@ def create_app(
             spent=Privacy(epsilon=spent.epsilon, delta=spent.delta),
             remaining=Privacy(epsilon=max(0.0, budget.epsilon - spent.epsilon), delta=budget.delta),
         )
+
+    if stats is not None:
+        deps = [Depends(needs("admin"))] if metrics == "keyed" else []
+        responses = _responses(401, 403, 429) if metrics == "keyed" else {}
+
+        @app.get(
+            "/metrics",
+            tags=["meta"],
+            dependencies=deps,
+            response_class=Response,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **responses},
+        )
+        def prometheus_metrics() -> Response:
+            """Prometheus text format: charges, refusals, latency histograms, epsilon spent per tenant."""
+            body, content_type = stats.render()
+            return Response(body, media_type=content_type)
 
     if text != "off":
         keyed = [Depends(needs("release"))] if text == "keyed" else []
