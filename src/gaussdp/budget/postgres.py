@@ -12,6 +12,7 @@ the allowance was computed for and that ``count + 1 <= allowed``, and answers "s
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +37,8 @@ from gaussdp.errors import InvalidParameter
 
 __all__ = ["PostgresStore"]
 
+logger = logging.getLogger("gaussdp.budget")
+
 T = TypeVar("T")
 
 # A broken connection (server restarted, backend terminated, network cut) is retried this many times
@@ -45,7 +48,31 @@ T = TypeVar("T")
 _ATTEMPTS = 3
 _BACKOFF_S = 0.05
 
+# Session settings of every pooled connection (set once, when the pool opens it):
+# - client_connection_check_interval: while a statement runs (e.g. a charge queued on a principal's
+#   row lock), the server checks this often that the client is still connected and cancels the
+#   statement if not, so that a charge queued by a process that has since died does not commit
+#   (budget spent for nothing). PostgreSQL >= 14; older servers ignore it (see _configure).
+# - idle_in_transaction_session_timeout: a client that stops mid-transaction (a hung process holding
+#   a principal's lock) is disconnected and its transaction rolled back.
+# - lock_timeout: a charge waits at most this long for a principal's lock, then fails (503) instead
+#   of holding a request and a connection forever.
+_SESSION_SETTINGS = {
+    "client_connection_check_interval": "100ms",
+    "idle_in_transaction_session_timeout": "10s",
+    "lock_timeout": "30s",
+}
+
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def _broken_connection(exc: BaseException | None, pool_timeout: type[Exception]) -> bool:
+    """A connection the server closed or lost (retry on a new one); not a timeout or a lock wait."""
+    if exc is None or isinstance(exc, pool_timeout):
+        return False  # the pool already waited its timeout for a connection: do not wait again
+    sqlstate = getattr(exc, "sqlstate", None)
+    # no SQLSTATE: the connection itself failed; 08: connection exception; 57P01-3: server shutdown
+    return sqlstate is None or sqlstate.startswith("08") or sqlstate in ("57P01", "57P02", "57P03")
 
 
 class _Reopened(Exception):
@@ -90,6 +117,7 @@ class PostgresStore:
             # Every connection is checked (one empty round trip) before it is handed out: connections
             # the server closed (restart, pg_terminate_backend) are replaced instead of failing requests.
             check=ConnectionPool.check_connection,
+            configure=self._configure,
             timeout=float(pool_timeout_s),  # a request waits at most this long for a connection
         )
         s = schema
@@ -131,6 +159,18 @@ class PostgresStore:
             pool_timeout_s=pool_timeout_s,
         )
 
+    @staticmethod
+    def _configure(conn: Any) -> None:
+        for name, value in _SESSION_SETTINGS.items():
+            try:
+                conn.execute("SELECT set_config(%s, %s, false)", (name, value))
+            except Exception as exc:  # e.g. an older server without the setting
+                if conn.info.transaction_status != 0:  # not idle: leave no failed transaction behind
+                    conn.rollback()
+                if name != "client_connection_check_interval":
+                    raise
+                logger.warning("PostgreSQL ledger: %s not supported (%s)", name, exc)
+
     @contextmanager
     def _connection(self, timeout: float | None = None) -> Iterator[Any]:
         """A checked connection from the pool; a broken or unreachable database is StoreUnavailable."""
@@ -147,8 +187,7 @@ class PostgresStore:
                 with self._connection() as conn:
                     return work(conn)
             except StoreUnavailable as exc:
-                # the pool already waited its timeout for a connection: do not wait again
-                if attempt + 1 == _ATTEMPTS or isinstance(exc.__cause__, self._pool_timeout):
+                if attempt + 1 == _ATTEMPTS or not _broken_connection(exc.__cause__, self._pool_timeout):
                     raise
                 time.sleep(_BACKOFF_S * 2**attempt)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -211,7 +250,11 @@ class PostgresStore:
             try:
                 return self._charge_once(principal, event_key, idempotency_key, decide, key_id, sent)
             except StoreUnavailable as exc:
-                if sent[0] or attempt + 1 == _ATTEMPTS or isinstance(exc.__cause__, self._pool_timeout):
+                if (
+                    sent[0]
+                    or attempt + 1 == _ATTEMPTS
+                    or not _broken_connection(exc.__cause__, self._pool_timeout)
+                ):
                     raise
                 time.sleep(_BACKOFF_S * 2**attempt)
         raise AssertionError("unreachable")  # pragma: no cover
