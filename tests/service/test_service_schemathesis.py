@@ -29,7 +29,7 @@ APP = create_app(ledger=_LEDGER, max_body_bytes=256 * 1024)
 # their owners' tests; run this file with GAUSSDP_FUZZ_ALL=1 to include them.
 schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
 if not os.environ.get("GAUSSDP_FUZZ_ALL"):
-    schema = schema.include(path_regex=r"^/(v1/|healthz)")
+    schema = schema.include(path_regex=r"^/(v1/|healthz|readyz|metrics)")
 
 
 # Every check schemathesis has (its "--checks all"). One setting differs from its defaults: a request
