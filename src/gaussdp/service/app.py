@@ -1,10 +1,13 @@
 """The FastAPI application: sessions with budgets, and Gaussian releases charged to them first.
 
-Status codes: 401 missing or bad API key; 404 a session this tenant does not own (another tenant's
+Status codes: 400 a body that is not UTF-8 JSON; 401 missing, bad, revoked or expired API key; 403
+the key's scope (read < release < admin) does not allow the route; 429 the key's rate limit
+(``Retry-After``); 404 a session this tenant does not own (another tenant's
 sessions are indistinguishable from missing ones); 409 the session's budget cannot pay for the
 release (``BudgetExhausted``: nothing was charged or released), an idempotency key was already
 used for a release, or concurrent charges kept moving the session's history (``ledger_contention``,
-with ``Retry-After``); 413 request body over ``max_body_bytes``; 422 invalid arguments, naming them,
+with ``Retry-After``), or the tenant's cap on sessions or total epsilon
+(``tenant_limit_exceeded``); 413 request body over ``max_body_bytes``; 422 invalid arguments, naming them,
 or a request that needs more than ``cpu_limit_s`` of numeric work (``work_limit_exceeded``; nothing
 charged); 503 the ledger's database cannot be reached (``database_unavailable``, with ``Retry-After``;
 nothing released). ``/healthz`` is liveness only (the process answers); ``/readyz`` reaches the
@@ -26,11 +29,10 @@ import json
 import logging
 import math
 import secrets
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
@@ -53,18 +55,17 @@ from gaussdp.budget import (
     UnknownPrincipal,
 )
 from gaussdp.errors import PrivacyError, WorkLimitExceeded
-from gaussdp.service.keys import check_api_key, key_id_of, scope_allows
+from gaussdp.service.auth import Caller, KeyCache
+from gaussdp.service.keys import scope_allows
 from gaussdp.service.limits import BodySizeLimit, RateLimiter
 from gaussdp.service.metrics import Metrics
 from gaussdp.service.models import (
     SESSION_ID_PATTERN,
     AuditLine,
     ChargeOut,
-    ErrorOut,
     HiddenStateIn,
     HiddenStateOut,
     HistoryPage,
-    InvalidOut,
     LoraDeltaIn,
     LoraDeltaOut,
     Privacy,
@@ -74,6 +75,8 @@ from gaussdp.service.models import (
     SessionIn,
     SessionOut,
 )
+from gaussdp.service.responses import CURSOR_PATTERN, after_cursor, cursor_after
+from gaussdp.service.responses import responses as error_responses
 
 __all__ = [
     "DEFAULT_CPU_LIMIT_S",
@@ -88,101 +91,11 @@ logger = logging.getLogger("gaussdp.service")
 DEFAULT_LEDGER_URL = "sqlite:///gaussdp-ledger.db"
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_CPU_LIMIT_S = 1.0
-# A verified key is remembered this long: a revoked key stops working within it, in every worker.
-_KEY_CACHE_SECONDS = 1.0
 HISTORY_DEFAULT_LIMIT = 100
 HISTORY_MAX_LIMIT = 1000
 _EXPORT_PAGE = 1000
 
 SessionId = Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The session's id.")]
-
-
-_RETRY_AFTER = {
-    "Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}
-}
-_ERRORS: dict[int, dict[str, Any]] = {
-    400: {"model": ErrorOut, "description": "The body cannot be parsed (not UTF-8 JSON)."},
-    401: {
-        "model": ErrorOut,
-        "description": "Missing, malformed, unknown, revoked or expired API key.",
-        "headers": {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},
-    },
-    403: {"model": ErrorOut, "description": "The API key's scopes do not allow this route."},
-    404: {"model": ErrorOut, "description": "No such session for this tenant (others' are invisible)."},
-    409: {
-        "model": ErrorOut,
-        "description": "budget_exhausted (nothing charged or released), a used idempotency key, "
-        "session_conflict, or ledger_contention (with Retry-After).",
-        "headers": _RETRY_AFTER,
-    },
-    413: {"model": ErrorOut, "description": "Request body over max_body_bytes (not read)."},
-    422: {"model": InvalidOut, "description": "Invalid fields or values (named); nothing charged."},
-    429: {"model": ErrorOut, "description": "Rate or tenant limit reached.", "headers": _RETRY_AFTER},
-    503: {
-        "model": ErrorOut,
-        "description": "The ledger's database cannot be reached; nothing released.",
-        "headers": _RETRY_AFTER,
-    },
-}
-
-
-def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """The OpenAPI entries of the error statuses a route can answer, with their body schemas."""
-    return {code: _ERRORS[code] for code in codes}
-
-
-class Caller(NamedTuple):
-    """Who makes a request: the tenant of the API key, the key's id (recorded with each charge), its
-    scope, and its expiry."""
-
-    tenant: str
-    key_id: str
-    scope: str = "release"
-    expires_at: float | None = None
-
-
-# A cursor is opaque to clients: 11 base64url characters (8 bytes). Every string of that shape is a
-# valid position (so that the schema describes exactly what is accepted); ids past the end give an
-# empty page.
-CURSOR_PATTERN = r"^[A-Za-z0-9_-]{11}$"
-_MAX_ID = 2**63 - 1  # BIGINT
-
-
-def _cursor(last_id: int) -> str:
-    return base64.urlsafe_b64encode(int(last_id).to_bytes(8, "big")).decode().rstrip("=")
-
-
-def _after(cursor: str | None) -> int:
-    """The charge id a cursor continues after (0 for none)."""
-    if cursor is None:
-        return 0
-    return min(_MAX_ID, int.from_bytes(base64.urlsafe_b64decode(cursor + "="), "big"))
-
-
-class _Tenants:
-    """API key -> tenant, verified against the store, remembered for a short while (revocation lag)."""
-
-    def __init__(self, ledger: Ledger) -> None:
-        self._ledger = ledger
-        self._cache: dict[str, tuple[Caller, float]] = {}
-        self._lock = threading.Lock()
-
-    def tenant(self, key: str) -> Caller | None:
-        now = time.monotonic()
-        with self._lock:
-            hit = self._cache.get(key)
-        if hit is not None and now - hit[1] < _KEY_CACHE_SECONDS:
-            expires_at = hit[0].expires_at
-            return hit[0] if expires_at is None or time.time() < expires_at else None
-        row = check_api_key(self._ledger.store, key)
-        if row is None:
-            return None
-        caller = Caller(row.tenant, key_id_of(key), row.scopes, row.expires_at)
-        with self._lock:
-            if len(self._cache) > 10_000:
-                self._cache.clear()
-            self._cache[key] = (caller, now)
-        return caller
 
 
 def create_app(
@@ -233,7 +146,7 @@ def create_app(
         raise ValueError(f"cpu_limit_s must be > 0, got cpu_limit_s={cpu_limit_s!r}")
     owns_ledger = ledger is None
     led = Ledger(ledger_url) if ledger is None else ledger
-    tenants = _Tenants(led)
+    tenants = KeyCache(led)
     adapters = _lora_adapters(lora_adapters)
     lora_delta_of = _server_lora_delta() if adapters else None
 
@@ -438,7 +351,7 @@ def create_app(
         status_code=201,
         response_model=SessionOut,
         tags=["sessions"],
-        responses=_responses(400, 401, 403, 409, 413, 422, 429, 503),
+        responses=error_responses(400, 401, 403, 409, 413, 422, 429, 503),
     )
     @bounded
     def create_session(body: SessionIn, who: Releaser) -> SessionOut:
@@ -451,7 +364,7 @@ def create_app(
         led.open(p, Budget(body.epsilon, body.delta), accountant=body.accountant, tenant=who.tenant)
         return session_out(p, session_id)
 
-    @app.get("/v1/sessions", tags=["sessions"], responses=_responses(401, 429, 503))
+    @app.get("/v1/sessions", tags=["sessions"], responses=error_responses(401, 429, 503))
     def list_sessions(who: Who) -> list[str]:
         """The ids of this tenant's sessions."""
         prefix = principal(who.tenant, "")
@@ -461,7 +374,7 @@ def create_app(
         "/v1/sessions/{session_id}",
         response_model=SessionOut,
         tags=["sessions"],
-        responses=_responses(401, 404, 422, 429, 503),
+        responses=error_responses(401, 404, 422, 429, 503),
     )
     @bounded
     def get_session(session_id: SessionId, who: Who) -> SessionOut:
@@ -472,7 +385,7 @@ def create_app(
         "/v1/sessions/{session_id}/history",
         response_model=HistoryPage,
         tags=["sessions"],
-        responses=_responses(401, 404, 422, 429, 503),
+        responses=error_responses(401, 404, 422, 429, 503),
     )
     def session_history(
         session_id: SessionId,
@@ -486,12 +399,12 @@ def create_app(
     ) -> HistoryPage:
         """A session's charges, oldest first, one page at a time (``next_cursor`` continues)."""
         p = owned(who.tenant, session_id)
-        page = led.history_page(p, after=_after(cursor), limit=limit + 1)  # one more: is there a next?
+        page = led.history_page(p, after=after_cursor(cursor), limit=limit + 1)  # one more: is there a next?
         more = len(page) > limit
         page = page[:limit]
         return HistoryPage(
             charges=[_charge_out(c) for c in page],
-            next_cursor=_cursor(page[-1].charge_id) if more else None,
+            next_cursor=cursor_after(page[-1].charge_id) if more else None,
         )
 
     @app.get(
@@ -500,7 +413,7 @@ def create_app(
         response_class=StreamingResponse,
         responses={
             200: {"content": {"application/x-ndjson": {"schema": AuditLine.model_json_schema()}}},
-            **_responses(401, 403, 422, 429, 503),
+            **error_responses(401, 403, 422, 429, 503),
         },
     )
     def audit_export(
@@ -515,7 +428,7 @@ def create_app(
         the stream so that an interrupted export can continue where it stopped.
         """
         prefix = principal(who.tenant, "")
-        after = _after(cursor)
+        after = after_cursor(cursor)
 
         def lines() -> Any:
             last = after
@@ -529,7 +442,7 @@ def create_app(
                 last = page[-1].charge_id
             if page:
                 last = page[-1].charge_id
-            yield json.dumps({"next_cursor": _cursor(last)}) + "\n"
+            yield json.dumps({"next_cursor": cursor_after(last)}) + "\n"
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -537,7 +450,7 @@ def create_app(
         "/v1/sessions/{session_id}/release",
         response_model=ReleaseOut,
         tags=["releases"],
-        responses=_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
+        responses=error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
     )
     @bounded
     def release(session_id: SessionId, body: ReleaseIn, who: Releaser) -> ReleaseOut:
@@ -562,7 +475,7 @@ def create_app(
         "/v1/sessions/{session_id}/hidden-state",
         response_model=HiddenStateOut,
         tags=["releases"],
-        responses=_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
+        responses=error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
     )
     @bounded
     def hidden_state(session_id: SessionId, body: HiddenStateIn, who: Releaser) -> HiddenStateOut:
@@ -600,7 +513,7 @@ def create_app(
         "/v1/sessions/{session_id}/lora-delta",
         response_model=LoraDeltaOut,
         tags=["releases"],
-        responses=_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
+        responses=error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
     )
     @bounded
     def lora_delta(session_id: SessionId, body: LoraDeltaIn, who: Releaser) -> LoraDeltaOut:
@@ -658,14 +571,14 @@ def create_app(
 
     if stats is not None:
         deps = [Depends(needs("admin"))] if metrics == "keyed" else []
-        responses = _responses(401, 403, 429) if metrics == "keyed" else {}
+        metric_errors = error_responses(401, 403, 429) if metrics == "keyed" else {}
 
         @app.get(
             "/metrics",
             tags=["meta"],
             dependencies=deps,
             response_class=Response,
-            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **responses},
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **metric_errors},
         )
         def prometheus_metrics() -> Response:
             """Prometheus text format: charges, refusals, latency histograms, epsilon spent per tenant."""
@@ -831,8 +744,8 @@ def _include_optional_routers(app: FastAPI, dependencies: list[Any]) -> None:
         from gaussdp.text.web import router as text_router
     except ImportError:
         return
-    responses = _responses(401, 403, 429) if dependencies else {}
-    app.include_router(text_router, dependencies=dependencies, responses=responses)
+    errors = error_responses(401, 403, 429) if dependencies else {}
+    app.include_router(text_router, dependencies=dependencies, responses=errors)
 
 
 def _version() -> str:
