@@ -302,7 +302,7 @@ def create_app(
                     m
                     for r in app.routes
                     if isinstance(r, APIRoute) and r.path_regex.match(request.url.path)
-                    for m in r.methods
+                    for m in (r.methods or ())
                 }
             )
             headers = {**(exc.headers or {}), "Allow": ", ".join(allowed)}
