@@ -210,7 +210,8 @@ class PostgresStore:
             return conn.execute(self._sql["principal"], (principal,)).fetchone()
 
         r = self._retrying(work)
-        assert r is not None
+        if r is None:  # a database fault
+            raise RuntimeError(f"ledger principal {principal!r} missing right after it was opened")
         return PrincipalRow(principal, r[0], r[1], r[2], r[3])
 
     def get_principal(self, principal: str) -> PrincipalRow | None:
@@ -302,7 +303,8 @@ class PostgresStore:
                 )
             pipe.sync()  # COMMIT has been queued by the transaction block; wait for it
             w = write.fetchone()
-            assert w is not None
+            if w is None:  # a database fault
+                raise RuntimeError(f"the charge of {principal!r} returned no row from PostgreSQL")
         return StoredCharge(int(w[0]), principal, event_key, idempotency_key, now, within, key_id=key_id)
 
     def charge_fast(
@@ -333,7 +335,8 @@ class PostgresStore:
                     key_id,
                 ),
             ).fetchone()
-        assert r is not None
+        if r is None:  # a database fault
+            raise RuntimeError(f"gdp_charge_fast returned no row for principal {principal!r}")
         status = r[0]
         if status == "unknown":
             raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
@@ -458,7 +461,8 @@ class PostgresStore:
             r = self._retrying(work)
         except _Reopened:
             r = self._retrying(lambda conn: conn.execute(self._sql["principal"], (principal,)).fetchone())
-        assert r is not None
+        if r is None:  # a database fault
+            raise RuntimeError(f"ledger principal {principal!r} missing right after it was opened")
         return PrincipalRow(principal, r[0], r[1], r[2], r[3])
 
     def set_tenant_limits(self, tenant: str, max_sessions: int | None, max_epsilon: float | None) -> None:

@@ -117,7 +117,8 @@ class SQLiteStore:
                 (principal, epsilon, delta, accountant, time.time()),
             )
             row = self._principal(conn, principal)
-            assert row is not None
+            if row is None:  # a database fault
+                raise RuntimeError(f"ledger principal {principal!r} missing right after it was opened")
             return row
 
     @staticmethod
@@ -209,7 +210,8 @@ class SQLiteStore:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
-        assert charge_id is not None
+        if charge_id is None:  # a database fault
+            raise RuntimeError(f"the charge of {principal!r} was committed without a charge id")
         return StoredCharge(charge_id, principal, event_key, idempotency_key, now, within, key_id=key_id)
 
     def history(self, principal: str, limit: int | None = None) -> list[StoredCharge]:
@@ -309,7 +311,8 @@ class SQLiteStore:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
-        assert row is not None
+        if row is None:  # a database fault
+            raise RuntimeError(f"ledger principal {principal!r} missing right after it was opened")
         return row
 
     def set_tenant_limits(self, tenant: str, max_sessions: int | None, max_epsilon: float | None) -> None:
