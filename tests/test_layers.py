@@ -36,6 +36,7 @@ _TOP = {
     "service": SURFACES,
     "report": SURFACES,
     "client": SURFACES,
+    "_info": SURFACES,  # `gaussdp info`: reports on every layer
 }
 
 

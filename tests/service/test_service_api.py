@@ -86,7 +86,7 @@ def test_release_until_refused_charges_exactly_the_budget(service, client) -> No
     assert info["spent"]["epsilon"] == pytest.approx(
         accountant("pld").compose(GaussianEvent(sigma_for(epsilon=1.0, delta=1e-6)), expected).epsilon(1e-5)
     )
-    assert len(client.get(f"/v1/sessions/{sid}/history", headers=h).json()) == expected
+    assert len(client.get(f"/v1/sessions/{sid}/history", headers=h).json()["charges"]) == expected
 
 
 def test_base64_float32_round_trip(service, client) -> None:  # type: ignore[no-untyped-def]
@@ -225,3 +225,70 @@ def test_oversized_bodies_are_413_without_reading_them(service, client) -> None:
     r = client.post(f"/v1/sessions/{sid}/release", content=chunks(), headers=h)
     assert r.status_code == 413 and "max_body_bytes" in r.json()["detail"]
     assert client.get(f"/v1/sessions/{sid}", headers=h).json()["charges"] == 0
+
+
+def test_readyz_reaches_the_sqlite_ledger_and_healthz_does_not(client, service) -> None:  # type: ignore[no-untyped-def]
+    assert client.get("/readyz").json() == {"status": "ok"}
+    service.ledger.store.close()  # every pooled connection closed: the next query cannot run
+    import sqlite3
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise sqlite3.OperationalError("unable to open database file")
+
+    service.ledger.store._connect = broken  # what a deleted directory or a full disk looks like
+    r = client.get("/readyz")
+    assert r.status_code == 503 and r.json()["error"] == "database_unavailable"
+    assert client.get("/healthz").status_code == 200
+
+
+@pytest.mark.parametrize("bad", [True, "1", "1.0", None, [1.0]])
+@pytest.mark.parametrize("field", ["sigma", "sensitivity", "vector0"])
+def test_numbers_are_json_numbers_only(service, client, field, bad) -> None:  # type: ignore[no-untyped-def]
+    sid = new_session(client, service)
+    body = {"vector": [0.5, 1.0], "sigma": 2.0, "sensitivity": 1.0}
+    if field == "vector0":
+        body["vector"] = [bad, 1.0]
+    else:
+        body[field] = bad
+    r = client.post(f"/v1/sessions/{sid}/release", json=body, headers=service.headers(service.key_a))
+    assert r.status_code == 422, r.text
+    assert service.ledger.history(f"tenant-a/{sid}") == []  # nothing charged
+    body_ok = {**body, "vector": [1, 0.5], "sigma": 2, "sensitivity": 1}  # integers are numbers
+    assert (
+        client.post(
+            f"/v1/sessions/{sid}/release", json=body_ok, headers=service.headers(service.key_a)
+        ).status_code
+        == 200
+    )
+
+
+@pytest.mark.parametrize("bad", [True, "3"])
+def test_budget_numbers_are_json_numbers_only(service, client, bad) -> None:  # type: ignore[no-untyped-def]
+    r = client.post(
+        "/v1/sessions", json={"epsilon": bad, "delta": 1e-5}, headers=service.headers(service.key_a)
+    )
+    assert r.status_code == 422, r.text
+
+
+def test_openapi_documents_every_error_status_with_its_body(client) -> None:  # type: ignore[no-untyped-def]
+    spec = client.get("/openapi.json").json()
+    ops = spec["paths"]
+    release = ops["/v1/sessions/{session_id}/release"]["post"]["responses"]
+    for code in ("200", "400", "401", "404", "409", "413", "422", "503"):
+        assert code in release, code
+    ref = release["401"]["content"]["application/json"]["schema"]["$ref"]
+    assert ref.endswith("/ErrorOut")
+    assert release["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/InvalidOut")
+    assert "Retry-After" in release["409"]["headers"]
+    for path, methods in ops.items():
+        for method, op in methods.items():
+            if path.startswith("/v1/"):
+                assert "401" in op["responses"], (method, path)
+                assert "503" in op["responses"], (method, path)
+    assert "503" in ops["/readyz"]["get"]["responses"]
+
+
+def test_method_not_allowed_lists_every_method_of_the_path(client) -> None:  # type: ignore[no-untyped-def]
+    r = client.request("DELETE", "/v1/sessions")
+    assert r.status_code == 405
+    assert r.headers["Allow"] == "GET, POST"

@@ -103,8 +103,9 @@ def test_extreme_corners_cost_under_a_second_of_cpu(
 
 @pytest.mark.parametrize("sigma", [TINY, 1e-12, 1.0, 1e6])
 @pytest.mark.parametrize("delta", [TINY, 1e-300, 0.5, 1.0 - 1e-16])
-def test_text_guarantee_corners_cost_under_a_second(client, sigma, delta) -> None:  # type: ignore[no-untyped-def]
-    r, cpu = _timed(client, "GET", "/text/guarantee", params={"sigma": sigma, "delta": delta})
+def test_text_guarantee_corners_cost_under_a_second(service, client, sigma, delta) -> None:  # type: ignore[no-untyped-def]
+    params = {"sigma": sigma, "delta": delta}
+    r, cpu = _timed(client, "GET", "/text/guarantee", params=params, headers=service.headers(service.key_a))
     if r.status_code == 404:
         pytest.skip("the text router is not mounted")
     assert r.status_code in (200, 422)

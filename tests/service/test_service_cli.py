@@ -82,3 +82,105 @@ def test_serve_starts_on_sqlite_in_the_working_directory(tmp_path: Path) -> None
         proc.wait(timeout=20)
     with Ledger(f"sqlite:///{tmp_path / 'gaussdp-ledger.db'}") as ledger:
         assert len(ledger.history(f"acme/{sid}")) == 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_up(url: str, proc: subprocess.Popen, **kwargs: object) -> None:  # type: ignore[type-arg]
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/healthz", **kwargs).status_code == 200:  # type: ignore[arg-type]
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_serve_with_workers_tls_and_environment_configuration(tmp_path: Path) -> None:
+    """`gaussdp serve --workers 2` over HTTPS, configured by GAUSSDP_* variables; SIGTERM stops it."""
+    import shutil
+
+    from gaussdp.budget import Ledger
+    from gaussdp.service.keys import create_api_key
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a self-signed certificate")
+    cert, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            str(key_file),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    with Ledger(db) as ledger:
+        key = create_api_key(ledger.store, "acme", scope="admin")
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "GAUSSDP_DB": db,
+        "GAUSSDP_PORT": str(port),
+        "GAUSSDP_WORKERS": "2",
+        "GAUSSDP_SSL_CERTFILE": str(cert),
+        "GAUSSDP_SSL_KEYFILE": str(key_file),
+        "GAUSSDP_MAX_BODY_BYTES": "2048",
+        "GAUSSDP_TEXT": "off",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from gaussdp.cli import main; main()", "serve"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    base = f"https://127.0.0.1:{port}"
+    try:
+        _wait_up(base, proc, verify=False)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port}/healthz")  # TLS only
+        h = {"Authorization": f"Bearer {key}"}
+        with httpx.Client(base_url=base, verify=False, headers=h) as c:
+            assert (
+                c.post("/v1/sessions", json={"epsilon": 5.0, "delta": 1e-5, "session_id": "s"}).status_code
+                == 201
+            )
+            for _ in range(6):  # over both workers
+                assert (
+                    c.post("/v1/sessions/s/release", json={"vector": [1.0], "sigma": 50.0}).status_code == 200
+                )
+            assert (
+                c.post("/v1/sessions/s/release", json={"vector": [1.0] * 1000, "sigma": 50.0}).status_code
+                == 413
+            )
+            assert c.get("/text/guarantee", params={"sigma": 1.0}).status_code == 404  # GAUSSDP_TEXT=off
+            assert c.get("/metrics").status_code == 200
+        pids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(pids) >= 2, pids  # the worker processes
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0].decode(errors="replace")
+    assert "with 2 worker(s)" in out, out
+    with Ledger(db) as ledger:
+        assert len(ledger.history("acme/s")) == 6

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from gaussdp.budget._types import Budget, ChargeRecord, Receipt, Spent
 from gaussdp.budget.ledger import Ledger
-from gaussdp.budget.store import LedgerContention, PrincipalConflict, UnknownPrincipal
+from gaussdp.budget.store import (
+    LedgerContention,
+    PrincipalConflict,
+    StoreUnavailable,
+    TenantLimitExceeded,
+    UnknownPrincipal,
+)
 from gaussdp.budget.trackers import BudgetState, PrivacyAccountant, PrivacyBudgetTracker, PrivacyExpenditure
 from gaussdp.errors import BudgetExhausted
 
@@ -28,5 +34,7 @@ __all__ = [
     "PrivacyExpenditure",
     "Receipt",
     "Spent",
+    "StoreUnavailable",
+    "TenantLimitExceeded",
     "UnknownPrincipal",
 ]

@@ -52,6 +52,7 @@ class ChargeRecord:
     idempotency_key: str | None
     created_at: float
     within_budget: bool
+    key_id: str | None = None  # the service's API key id that made the charge (not secret), if any
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from collections.abc import Mapping
@@ -138,7 +139,9 @@ class Ledger:
         return f"Ledger({self.url!r}, policy={self.policy!r})"
 
     # -- principals --------------------------------------------------------------------------------
-    def open(self, principal: str, budget: Budget, *, accountant: str = "pld") -> Budget:
+    def open(
+        self, principal: str, budget: Budget, *, accountant: str = "pld", tenant: str | None = None
+    ) -> Budget:
         """Open ``principal`` with ``budget`` (idempotent); return its budget.
 
         Opening an existing principal again with the same budget and accountant is a no-op (so every
@@ -148,12 +151,19 @@ class Ledger:
             TypeError: ``budget`` is not a :class:`Budget`.
             InvalidParameter: bad principal or accountant name.
             PrincipalConflict: a different budget or accountant is already on record for ``principal``.
+            TenantLimitExceeded: ``tenant`` is given and a new principal would pass its caps
+                (``store.set_tenant_limits``); counted atomically with the open.
         """
         check_principal(principal)
         if not isinstance(budget, Budget):
             raise TypeError(f"budget must be a gaussdp.budget.Budget, got budget={budget!r}")
         self._composer.check_accountant(accountant)
-        row = self.store.open_principal(principal, budget.epsilon, budget.delta, accountant)
+        if tenant is None:
+            row = self.store.open_principal(principal, budget.epsilon, budget.delta, accountant)
+        else:
+            row = self.store.open_principal_within(
+                principal, budget.epsilon, budget.delta, accountant, tenant
+            )
         if (row.epsilon, row.delta, row.accountant) != (budget.epsilon, budget.delta, accountant):
             raise PrincipalConflict(
                 f"principal {principal!r} is already open with budget=Budget(epsilon={row.epsilon!r}, "
@@ -196,7 +206,9 @@ class Ledger:
         return self.store.list_principals(prefix)
 
     # -- charging ----------------------------------------------------------------------------------
-    def charge(self, principal: str, event: Any, idempotency_key: str | None = None) -> Receipt:
+    def charge(
+        self, principal: str, event: Any, idempotency_key: str | None = None, *, key_id: str | None = None
+    ) -> Receipt:
         """Atomically charge ``event`` to ``principal`` if the composed spend stays within budget.
 
         Args:
@@ -204,6 +216,7 @@ class Ledger:
             event: a ``gaussdp.accounting`` event (e.g. ``mechanism.event``).
             idempotency_key: a retried call with the same key is charged once and returns the earlier
                 receipt with ``replayed=True`` (nothing new may be released under a replayed receipt).
+            key_id: who made the charge (the service's API key id, not secret), kept with it for audit.
 
         Returns:
             A :class:`Receipt`, written durably before this method returns.
@@ -216,6 +229,8 @@ class Ledger:
         """
         key = event_key(event)
         idempotency_key = check_idempotency_key(idempotency_key)
+        if key_id is not None:
+            check_idempotency_key(key_id)  # same rules: a short printable string
         row = self._row(principal)
         self._composer._event(key)  # parse (and validate) the event before taking any lock
         # Decide outside the store's lock, from the last history this process saw (or a snapshot):
@@ -231,7 +246,7 @@ class Ledger:
             # round trip; anything else (changed history, exhaustion, warn) takes the general path.
             others = tuple(sorted((k, c) for k, c in last.items() if k != key))
             if all(c <= box.get(k, 0) for k, c in others):
-                done = fast(principal, key, idempotency_key, others, box[key])
+                done = fast(principal, key, idempotency_key, others, box[key], key_id=key_id)
                 if done is not None:
                     stored, count = done
                     if not stored.replayed:
@@ -240,7 +255,11 @@ class Ledger:
         for _ in range(_MAX_ATTEMPTS if stored is None else 0):
             try:
                 stored = self.store.charge(
-                    principal, key, idempotency_key, self._decide(principal, row, key, plan, after)
+                    principal,
+                    key,
+                    idempotency_key,
+                    self._decide(principal, row, key, plan, after),
+                    key_id=key_id,
                 )
                 break
             except _Stale as stale:  # the history moved under the lock: decide again, outside it
@@ -385,6 +404,17 @@ class Ledger:
             return Spent(0.0, 0.0)
         return Spent(self._composer.epsilon(row.accountant, row.delta, groups), row.delta)
 
+    def increase(self, receipt: Receipt) -> float:
+        """How much the charge of ``receipt`` raised its principal's composed epsilon (0 for a replay)."""
+        if receipt.replayed or receipt.composed is None:
+            return 0.0
+        row = self._row(receipt.principal)
+        key = json.dumps(receipt.event, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        before = tuple((k, c - 1 if k == key else c) for k, c in receipt.composed if k != key or c > 1)
+        after_eps = self._composer.epsilon(row.accountant, row.delta, receipt.composed)
+        before_eps = self._composer.epsilon(row.accountant, row.delta, before) if before else 0.0
+        return max(0.0, after_eps - before_eps)
+
     def remaining(self, principal: str) -> Spent:
         """``budget.epsilon - spent.epsilon`` (at the budget's delta, floored at 0).
 
@@ -399,22 +429,47 @@ class Ledger:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
             raise InvalidParameter(f"limit must be a non-negative int or None, got limit={limit!r}")
         self._row(principal)
-        return [
-            ChargeRecord(
-                c.charge_id,
-                c.principal,
-                event_dict(c.event_key),
-                c.idempotency_key,
-                c.created_at,
-                c.within_budget,
-            )
-            for c in self.store.history(principal, limit)
-        ]
+        return [_record(c) for c in self.store.history(principal, limit)]
+
+    def history_page(self, principal: str, *, after: int = 0, limit: int = 100) -> list[ChargeRecord]:
+        """At most ``limit`` charges of ``principal`` with ``charge_id > after``, oldest first.
+
+        Pages through a long history at a bounded cost per call: pass the last ``charge_id`` seen.
+        """
+        _check_page(after, limit)
+        self._row(principal)
+        return [_record(c) for c in self.store.charges_after(principal, after, limit, exact=True)]
+
+    def export(self, prefix: str, *, after: int = 0, limit: int = 1000) -> list[ChargeRecord]:
+        """At most ``limit`` charges of every principal starting with ``prefix``, ``charge_id > after``,
+        by ``charge_id`` (an audit export, one page at a time)."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got prefix={prefix!r}")
+        _check_page(after, limit)
+        return [_record(c) for c in self.store.charges_after(prefix, after, limit)]
 
     def events(self, principal: str) -> list[tuple[Any, int]]:
         """The distinct events charged to ``principal`` with their counts (what the accountant composes)."""
         self._row(principal)
         return [(self._composer._event(k), c) for k, c in sorted(self.store.groups(principal).items())]
+
+
+def _check_page(after: object, limit: object) -> None:
+    for name, value, low in (("after", after, 0), ("limit", limit, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise InvalidParameter(f"{name} must be an int >= {low}, got {name}={value!r}")
+
+
+def _record(c: StoredCharge) -> ChargeRecord:
+    return ChargeRecord(
+        c.charge_id,
+        c.principal,
+        event_dict(c.event_key),
+        c.idempotency_key,
+        c.created_at,
+        c.within_budget,
+        c.key_id,
+    )
 
 
 def _receipt(stored: StoredCharge, composed: tuple[tuple[str, int], ...] | None) -> Receipt:

@@ -12,107 +12,71 @@ the allowance was computed for and that ``count + 1 <= allowed``, and answers "s
 
 from __future__ import annotations
 
+import logging
 import re
 import time
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from gaussdp.budget.schema import upgrade_postgres
 from gaussdp.budget.store import (
     ApiKeyRow,
     Decide,
     PrincipalRow,
     StoredCharge,
+    StoreUnavailable,
+    TenantLimitExceeded,
+    TenantLimits,
     UnknownPrincipal,
+    cap_message,
     replayed_charge,
 )
 from gaussdp.errors import InvalidParameter
 
 __all__ = ["PostgresStore"]
 
+logger = logging.getLogger("gaussdp.budget")
+
+T = TypeVar("T")
+
+# A broken connection (server restarted, backend terminated, network cut) is retried this many times
+# in all, with exponential back-off from _BACKOFF_S, for work that is safe to repeat: reads, and
+# charges whose write had not been sent yet. A charge whose write may have reached the server is
+# never retried (it could be charged twice): it fails with StoreUnavailable (503).
+_ATTEMPTS = 3
+_BACKOFF_S = 0.05
+
+# Session settings of every pooled connection (set once, when the pool opens it):
+# - client_connection_check_interval: while a statement runs (e.g. a charge queued on a principal's
+#   row lock), the server checks this often that the client is still connected and cancels the
+#   statement if not, so that a charge queued by a process that has since died does not commit
+#   (budget spent for nothing). PostgreSQL >= 14; older servers ignore it (see _configure).
+# - idle_in_transaction_session_timeout: a client that stops mid-transaction (a hung process holding
+#   a principal's lock) is disconnected and its transaction rolled back.
+# - lock_timeout: a charge waits at most this long for a principal's lock, then fails (503) instead
+#   of holding a request and a connection forever.
+_SESSION_SETTINGS = {
+    "client_connection_check_interval": "100ms",
+    "idle_in_transaction_session_timeout": "10s",
+    "lock_timeout": "30s",
+}
+
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
-_SCHEMA = """
-CREATE SCHEMA IF NOT EXISTS {s};
-CREATE TABLE IF NOT EXISTS {s}.gdp_principals (
-    principal TEXT PRIMARY KEY,
-    epsilon DOUBLE PRECISION NOT NULL,
-    delta DOUBLE PRECISION NOT NULL,
-    accountant TEXT NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL
-);
-CREATE TABLE IF NOT EXISTS {s}.gdp_spent (
-    principal TEXT NOT NULL REFERENCES {s}.gdp_principals(principal),
-    event_key TEXT NOT NULL,
-    count BIGINT NOT NULL CHECK (count > 0),
-    PRIMARY KEY (principal, event_key)
-);
-CREATE TABLE IF NOT EXISTS {s}.gdp_charges (
-    id BIGSERIAL PRIMARY KEY,
-    principal TEXT NOT NULL REFERENCES {s}.gdp_principals(principal),
-    event_key TEXT NOT NULL,
-    idempotency_key TEXT,
-    created_at DOUBLE PRECISION NOT NULL,
-    within_budget BOOLEAN NOT NULL,
-    UNIQUE (principal, idempotency_key)
-);
-CREATE INDEX IF NOT EXISTS gdp_charges_principal ON {s}.gdp_charges (principal, id);
-CREATE TABLE IF NOT EXISTS {s}.gdp_api_keys (
-    key_id TEXT PRIMARY KEY,
-    tenant TEXT NOT NULL,
-    key_hash TEXT NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL,
-    revoked BOOLEAN NOT NULL DEFAULT FALSE
-)
-"""
 
-# One round trip for the common charge: the ledger already knows, from the last history it saw, the
-# other events of the principal and how many of this event they leave room for (``allowed``). The
-# function re-checks both under the row lock (the fingerprint of the other events must match) and
-# answers 'slow' whenever anything differs, so the caller falls back to the general transaction.
-# A VOLATILE function takes a new snapshot per statement: the history is read after the lock.
-_FAST_CHARGE = """
-CREATE OR REPLACE FUNCTION {s}.gdp_charge_fast(
-    p_principal TEXT, p_key TEXT, p_idem TEXT, p_others_md5 TEXT, p_allowed BIGINT, p_now DOUBLE PRECISION
-) RETURNS TABLE (o_status TEXT, o_id BIGINT, o_created DOUBLE PRECISION, o_within BOOLEAN,
-                 o_count BIGINT, o_key TEXT)
-LANGUAGE plpgsql VOLATILE AS $fn$
-#variable_conflict use_column
-DECLARE
-    v_count BIGINT;
-    v_others TEXT;
-    v_id BIGINT;
-BEGIN
-    PERFORM 1 FROM {s}.gdp_principals p WHERE p.principal = p_principal FOR UPDATE;
-    IF NOT FOUND THEN
-        RETURN QUERY SELECT 'unknown'::TEXT, NULL::BIGINT, NULL::DOUBLE PRECISION, NULL::BOOLEAN,
-                            NULL::BIGINT, NULL::TEXT;
-        RETURN;
-    END IF;
-    IF p_idem IS NOT NULL THEN
-        RETURN QUERY SELECT 'replay'::TEXT, c.id, c.created_at, c.within_budget, NULL::BIGINT, c.event_key
-            FROM {s}.gdp_charges c WHERE c.principal = p_principal AND c.idempotency_key = p_idem;
-        IF FOUND THEN
-            RETURN;
-        END IF;
-    END IF;
-    SELECT coalesce(max(g.count) FILTER (WHERE g.event_key = p_key), 0),
-           md5(coalesce(string_agg(g.event_key || ':' || g.count::TEXT, ',' ORDER BY g.event_key COLLATE "C")
-                        FILTER (WHERE g.event_key <> p_key), ''))
-        INTO v_count, v_others
-        FROM {s}.gdp_spent g WHERE g.principal = p_principal;
-    IF v_others <> p_others_md5 OR v_count + 1 > p_allowed THEN
-        RETURN QUERY SELECT 'slow'::TEXT, NULL::BIGINT, NULL::DOUBLE PRECISION, NULL::BOOLEAN,
-                            NULL::BIGINT, NULL::TEXT;
-        RETURN;
-    END IF;
-    INSERT INTO {s}.gdp_spent AS g (principal, event_key, count) VALUES (p_principal, p_key, 1)
-        ON CONFLICT (principal, event_key) DO UPDATE SET count = g.count + 1;
-    INSERT INTO {s}.gdp_charges (principal, event_key, idempotency_key, created_at, within_budget)
-        VALUES (p_principal, p_key, p_idem, p_now, TRUE) RETURNING id INTO v_id;
-    RETURN QUERY SELECT 'ok'::TEXT, v_id, p_now, TRUE, v_count + 1, p_key;
-END
-$fn$
-"""
+def _broken_connection(exc: BaseException | None, pool_timeout: type[Exception]) -> bool:
+    """A connection the server closed or lost (retry on a new one); not a timeout or a lock wait."""
+    if exc is None or isinstance(exc, pool_timeout):
+        return False  # the pool already waited its timeout for a connection: do not wait again
+    sqlstate = getattr(exc, "sqlstate", None)
+    # no SQLSTATE: the connection itself failed; 08: connection exception; 57P01-3: server shutdown
+    return sqlstate is None or sqlstate.startswith("08") or sqlstate in ("57P01", "57P02", "57P03")
+
+
+class _Reopened(Exception):
+    """The principal was opened by another connection between the read and the insert."""
 
 
 def others_fingerprint(others: tuple[tuple[str, int], ...]) -> str:
@@ -126,16 +90,23 @@ def others_fingerprint(others: tuple[tuple[str, int], ...]) -> str:
 class PostgresStore:
     """A connection pool to one PostgreSQL database; the tables live in ``schema`` (default public)."""
 
-    def __init__(self, conninfo: str, *, schema: str = "public", pool_size: int = 16) -> None:
+    def __init__(
+        self, conninfo: str, *, schema: str = "public", pool_size: int = 16, pool_timeout_s: float = 10.0
+    ) -> None:
         try:
-            from psycopg_pool import ConnectionPool
+            import psycopg
+            from psycopg_pool import ConnectionPool, PoolTimeout
         except ImportError:  # pragma: no cover - depends on the environment
             raise ImportError(
                 "a PostgreSQL ledger needs psycopg 3 and psycopg_pool: pip install 'gaussdp[service]'"
             ) from None
         if not _IDENT.match(schema):
             raise InvalidParameter(f"schema must be a lower-case SQL identifier, got schema={schema!r}")
+        if not pool_timeout_s > 0:
+            raise InvalidParameter(f"pool_timeout_s must be > 0, got pool_timeout_s={pool_timeout_s!r}")
         self.schema = schema
+        self._operational_error: type[Exception] = psycopg.OperationalError
+        self._pool_timeout: type[Exception] = PoolTimeout
         self._pool = ConnectionPool(
             conninfo,
             min_size=1,
@@ -143,35 +114,35 @@ class PostgresStore:
             kwargs={"autocommit": True},
             open=True,
             name="gaussdp-ledger",
+            # Every connection is checked (one empty round trip) before it is handed out: connections
+            # the server closed (restart, pg_terminate_backend) are replaced instead of failing requests.
+            check=ConnectionPool.check_connection,
+            configure=self._configure,
+            timeout=float(pool_timeout_s),  # a request waits at most this long for a connection
         )
         s = schema
         self._sql = {
             "lock": f"SELECT epsilon, delta, accountant, created_at FROM {s}.gdp_principals "
             "WHERE principal = %s FOR UPDATE",
             "groups": f"SELECT event_key, count FROM {s}.gdp_spent WHERE principal = %s",
-            "by_key": f"SELECT id, event_key, created_at, within_budget FROM {s}.gdp_charges "
+            "by_key": f"SELECT id, event_key, created_at, within_budget, key_id FROM {s}.gdp_charges "
             "WHERE principal = %s AND idempotency_key = %s",
             # One statement writes both the grouped count and the charge log row.
             "write": f"WITH up AS (INSERT INTO {s}.gdp_spent (principal, event_key, count) "
             "VALUES (%s, %s, 1) "
             f"ON CONFLICT (principal, event_key) DO UPDATE SET count = {s}.gdp_spent.count + 1) "
-            f"INSERT INTO {s}.gdp_charges (principal, event_key, idempotency_key, created_at, within_budget) "
-            "VALUES (%s, %s, %s, %s, %s) RETURNING id",
+            f"INSERT INTO {s}.gdp_charges "
+            "(principal, event_key, idempotency_key, created_at, within_budget, key_id) "
+            "VALUES (%s, %s, %s, %s, %s, %s) RETURNING id",
             "principal": f"SELECT epsilon, delta, accountant, created_at FROM {s}.gdp_principals "
             "WHERE principal = %s",
         }
-        with self._pool.connection() as conn, conn.transaction():
-            # Concurrent first opens would race on CREATE TABLE IF NOT EXISTS: serialise them.
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"gaussdp-ledger-{schema}",))
-            for statement in _SCHEMA.format(s=schema).split(";"):
-                if statement.strip():
-                    conn.execute(statement)
-            exists = conn.execute(
-                "SELECT to_regprocedure(%s)",
-                (f"{schema}.gdp_charge_fast(text,text,text,text,bigint,double precision)",),
-            ).fetchone()
-            if exists is None or exists[0] is None:  # replacing it on every open would churn the catalog
-                conn.execute(_FAST_CHARGE.replace("{s}", schema))
+        try:
+            with self._connection() as conn:  # tables and the charge function: budget/migrations
+                upgrade_postgres(conninfo, schema, conn)
+        except BaseException:
+            self._pool.close()
+            raise
 
     @classmethod
     def from_url(cls, url: str) -> PostgresStore:
@@ -179,52 +150,130 @@ class PostgresStore:
         query = parse_qsl(parts.query, keep_blank_values=True)
         schema = next((v for k, v in query if k == "schema"), "public")
         pool_size = int(next((v for k, v in query if k == "pool_size"), "16"))
-        rest = [(k, v) for k, v in query if k not in ("schema", "pool_size")]
-        return cls(urlunsplit(parts._replace(query=urlencode(rest))), schema=schema, pool_size=pool_size)
+        pool_timeout_s = float(next((v for k, v in query if k == "pool_timeout_s"), "10"))
+        rest = [(k, v) for k, v in query if k not in ("schema", "pool_size", "pool_timeout_s")]
+        return cls(
+            urlunsplit(parts._replace(query=urlencode(rest))),
+            schema=schema,
+            pool_size=pool_size,
+            pool_timeout_s=pool_timeout_s,
+        )
+
+    @staticmethod
+    def _configure(conn: Any) -> None:
+        for name, value in _SESSION_SETTINGS.items():
+            try:
+                conn.execute("SELECT set_config(%s, %s, false)", (name, value))
+            except Exception as exc:  # e.g. an older server without the setting
+                if conn.info.transaction_status != 0:  # not idle: leave no failed transaction behind
+                    conn.rollback()
+                if name != "client_connection_check_interval":
+                    raise
+                logger.warning("PostgreSQL ledger: %s not supported (%s)", name, exc)
+
+    @contextmanager
+    def _connection(self, timeout: float | None = None) -> Iterator[Any]:
+        """A checked connection from the pool; a broken or unreachable database is StoreUnavailable."""
+        try:
+            with self._pool.connection(timeout=timeout) as conn:
+                yield conn
+        except self._operational_error as exc:
+            raise StoreUnavailable(f"the PostgreSQL ledger cannot be reached: {exc}") from exc
+
+    def _retrying(self, work: Callable[[Any], T]) -> T:
+        """Run ``work(conn)`` (safe to repeat), retrying on a broken connection a bounded number of times."""
+        for attempt in range(_ATTEMPTS):
+            try:
+                with self._connection() as conn:
+                    return work(conn)
+            except StoreUnavailable as exc:
+                if attempt + 1 == _ATTEMPTS or not _broken_connection(exc.__cause__, self._pool_timeout):
+                    raise
+                time.sleep(_BACKOFF_S * 2**attempt)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def ping(self) -> None:
+        """One round trip to the database within 2 s (a readiness probe)."""
+        with self._connection(timeout=2.0) as conn:
+            conn.execute("SELECT 1").fetchone()
 
     def open_principal(self, principal: str, epsilon: float, delta: float, accountant: str) -> PrincipalRow:
-        with self._pool.connection() as conn:
+        now = time.time()
+
+        def work(conn: Any) -> Any:  # idempotent (ON CONFLICT DO NOTHING): safe to retry
             conn.execute(
                 f"INSERT INTO {self.schema}.gdp_principals "
                 "(principal, epsilon, delta, accountant, created_at) "
                 "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (principal) DO NOTHING",
-                (principal, epsilon, delta, accountant, time.time()),
+                (principal, epsilon, delta, accountant, now),
             )
-            r = conn.execute(self._sql["principal"], (principal,)).fetchone()
-        if r is None:  # the INSERT ... DO NOTHING above guarantees a row; a miss is a database fault
+            return conn.execute(self._sql["principal"], (principal,)).fetchone()
+
+        r = self._retrying(work)
+        if r is None:  # a database fault
             raise RuntimeError(f"ledger principal {principal!r} missing right after it was opened")
         return PrincipalRow(principal, r[0], r[1], r[2], r[3])
 
     def get_principal(self, principal: str) -> PrincipalRow | None:
-        with self._pool.connection() as conn:
-            r = conn.execute(self._sql["principal"], (principal,)).fetchone()
+        r = self._retrying(lambda conn: conn.execute(self._sql["principal"], (principal,)).fetchone())
         return None if r is None else PrincipalRow(principal, r[0], r[1], r[2], r[3])
 
     def list_principals(self, prefix: str = "") -> list[str]:
-        with self._pool.connection() as conn:
-            rows = conn.execute(
+        rows = self._retrying(
+            lambda conn: conn.execute(
                 f"SELECT principal FROM {self.schema}.gdp_principals WHERE left(principal, %s) = %s "
                 "ORDER BY principal",
                 (len(prefix), prefix),
             ).fetchall()
+        )
         return [r[0] for r in rows]
 
     def groups(self, principal: str) -> dict[str, int]:
-        with self._pool.connection() as conn, conn.transaction():
-            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-            if conn.execute(self._sql["principal"], (principal,)).fetchone() is None:
-                raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
-            rows = conn.execute(self._sql["groups"], (principal,)).fetchall()
-        return {k: int(c) for k, c in rows}
+        def work(conn: Any) -> Any:
+            with conn.transaction():
+                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                if conn.execute(self._sql["principal"], (principal,)).fetchone() is None:
+                    raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
+                return conn.execute(self._sql["groups"], (principal,)).fetchall()
+
+        return {k: int(c) for k, c in self._retrying(work)}
 
     def charge(
-        self, principal: str, event_key: str, idempotency_key: str | None, decide: Decide
+        self,
+        principal: str,
+        event_key: str,
+        idempotency_key: str | None,
+        decide: Decide,
+        key_id: str | None = None,
+    ) -> StoredCharge:
+        for attempt in range(_ATTEMPTS):
+            sent = [False]  # whether the write may have reached the server
+            try:
+                return self._charge_once(principal, event_key, idempotency_key, decide, key_id, sent)
+            except StoreUnavailable as exc:
+                if (
+                    sent[0]
+                    or attempt + 1 == _ATTEMPTS
+                    or not _broken_connection(exc.__cause__, self._pool_timeout)
+                ):
+                    raise
+                time.sleep(_BACKOFF_S * 2**attempt)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _charge_once(
+        self,
+        principal: str,
+        event_key: str,
+        idempotency_key: str | None,
+        decide: Decide,
+        key_id: str | None,
+        sent: list[bool],
     ) -> StoredCharge:
         # Pipeline mode: BEGIN, the lock, the idempotency lookup and the history read go to the server
         # in one round trip, the write and COMMIT in a second. The server still runs them in order:
         # each SELECT after the lock takes its snapshot (READ COMMITTED) only once the lock is granted,
         # so the history it reads is current. (A join inside the locking statement would not be.)
-        with self._pool.connection() as conn, conn.pipeline() as pipe:
+        with self._connection() as conn, conn.pipeline() as pipe:
             with conn.transaction():
                 lock = conn.execute(self._sql["lock"], (principal,))  # the principal's row lock
                 by_key = (
@@ -240,20 +289,23 @@ class PostgresStore:
                 row = PrincipalRow(principal, r[0], r[1], r[2], r[3])
                 e = by_key.fetchone() if by_key is not None else None
                 if e is not None:
-                    earlier = StoredCharge(e[0], principal, e[1], idempotency_key, e[2], bool(e[3]))
+                    earlier = StoredCharge(
+                        e[0], principal, e[1], idempotency_key, e[2], bool(e[3]), key_id=e[4]
+                    )
                     return replayed_charge(earlier, event_key)
                 groups = {k: int(c) for k, c in hist.fetchall()}
                 within = decide(row, groups)  # may raise: leaving the transaction block rolls back
                 now = time.time()
+                sent[0] = True
                 write = conn.execute(
                     self._sql["write"],
-                    (principal, event_key, principal, event_key, idempotency_key, now, within),
+                    (principal, event_key, principal, event_key, idempotency_key, now, within, key_id),
                 )
             pipe.sync()  # COMMIT has been queued by the transaction block; wait for it
             w = write.fetchone()
-            if w is None:
+            if w is None:  # a database fault
                 raise RuntimeError(f"the charge of {principal!r} returned no row from PostgreSQL")
-        return StoredCharge(int(w[0]), principal, event_key, idempotency_key, now, within)
+        return StoredCharge(int(w[0]), principal, event_key, idempotency_key, now, within, key_id=key_id)
 
     def charge_fast(
         self,
@@ -262,18 +314,28 @@ class PostgresStore:
         idempotency_key: str | None,
         others: tuple[tuple[str, int], ...],
         allowed: int,
+        key_id: str | None = None,
     ) -> tuple[StoredCharge, int] | None:
         """One round trip: charge if the other events are still ``others`` and ``count + 1 <= allowed``.
 
         Returns ``(charge, new_count)``, or ``None`` when the general :meth:`charge` must decide.
+        Not retried on a broken connection (the one statement both decides and writes).
         """
         now = time.time()
-        with self._pool.connection() as conn:
+        with self._connection() as conn:
             r = conn.execute(
-                f"SELECT * FROM {self.schema}.gdp_charge_fast(%s, %s, %s, %s, %s, %s)",
-                (principal, event_key, idempotency_key, others_fingerprint(others), int(allowed), now),
+                f"SELECT * FROM {self.schema}.gdp_charge_fast(%s, %s, %s, %s, %s, %s, %s)",
+                (
+                    principal,
+                    event_key,
+                    idempotency_key,
+                    others_fingerprint(others),
+                    int(allowed),
+                    now,
+                    key_id,
+                ),
             ).fetchone()
-        if r is None:
+        if r is None:  # a database fault
             raise RuntimeError(f"gdp_charge_fast returned no row for principal {principal!r}")
         status = r[0]
         if status == "unknown":
@@ -282,14 +344,15 @@ class PostgresStore:
             earlier = StoredCharge(int(r[1]), principal, r[5], idempotency_key, r[2], bool(r[3]))
             return replayed_charge(earlier, event_key), -1
         if status == "ok":
-            return StoredCharge(int(r[1]), principal, event_key, idempotency_key, r[2], True), int(r[4])
+            charge = StoredCharge(int(r[1]), principal, event_key, idempotency_key, r[2], True, key_id=key_id)
+            return charge, int(r[4])
         return None
 
     def history(self, principal: str, limit: int | None = None) -> list[StoredCharge]:
         if self.get_principal(principal) is None:
             raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
         sql = (
-            "SELECT id, event_key, idempotency_key, created_at, within_budget "
+            "SELECT id, event_key, idempotency_key, created_at, within_budget, key_id "
             f"FROM {self.schema}.gdp_charges "
             "WHERE principal = %s ORDER BY id DESC"
         )
@@ -297,41 +360,146 @@ class PostgresStore:
         if limit is not None:
             sql += " LIMIT %s"
             args = (principal, int(limit))
-        with self._pool.connection() as conn:
-            rows = conn.execute(sql, args).fetchall()
-        return [StoredCharge(int(r[0]), principal, r[1], r[2], r[3], bool(r[4])) for r in reversed(rows)]
+        rows = self._retrying(lambda conn: conn.execute(sql, args).fetchall())
+        return [
+            StoredCharge(int(r[0]), principal, r[1], r[2], r[3], bool(r[4]), key_id=r[5])
+            for r in reversed(rows)
+        ]
+
+    def charges_after(
+        self, prefix: str, after_id: int, limit: int, *, exact: bool = False
+    ) -> list[StoredCharge]:
+        where = "principal = %s" if exact else "left(principal, %s) = %s"
+        args: tuple[Any, ...] = (prefix,) if exact else (len(prefix), prefix)
+        rows = self._retrying(
+            lambda conn: conn.execute(
+                "SELECT id, principal, event_key, idempotency_key, created_at, within_budget, key_id "
+                f"FROM {self.schema}.gdp_charges WHERE {where} AND id > %s ORDER BY id LIMIT %s",
+                (*args, int(after_id), int(limit)),
+            ).fetchall()
+        )
+        return [StoredCharge(int(r[0]), r[1], r[2], r[3], r[4], bool(r[5]), key_id=r[6]) for r in rows]
 
     def put_api_key(self, row: ApiKeyRow) -> None:
-        with self._pool.connection() as conn:
+        with self._connection() as conn:
             conn.execute(
-                f"INSERT INTO {self.schema}.gdp_api_keys (key_id, tenant, key_hash, created_at, revoked) "
-                "VALUES (%s, %s, %s, %s, %s)",
-                (row.key_id, row.tenant, row.key_hash, row.created_at, row.revoked),
+                f"INSERT INTO {self.schema}.gdp_api_keys "
+                "(key_id, tenant, key_hash, created_at, revoked, scopes, expires_at) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                (
+                    row.key_id,
+                    row.tenant,
+                    row.key_hash,
+                    row.created_at,
+                    row.revoked,
+                    row.scopes,
+                    row.expires_at,
+                ),
             )
 
+    def _keys_sql(self) -> str:
+        return (
+            "SELECT key_id, tenant, key_hash, created_at, revoked, scopes, expires_at "
+            f"FROM {self.schema}.gdp_api_keys"
+        )
+
     def get_api_key(self, key_id: str) -> ApiKeyRow | None:
-        with self._pool.connection() as conn:
-            r = conn.execute(
-                f"SELECT key_id, tenant, key_hash, created_at, revoked FROM {self.schema}.gdp_api_keys "
-                "WHERE key_id = %s",
-                (key_id,),
-            ).fetchone()
-        return None if r is None else ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4]))
+        r = self._retrying(
+            lambda conn: conn.execute(self._keys_sql() + " WHERE key_id = %s", (key_id,)).fetchone()
+        )
+        return None if r is None else ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6])
 
     def list_api_keys(self) -> list[ApiKeyRow]:
-        with self._pool.connection() as conn:
-            rows = conn.execute(
-                f"SELECT key_id, tenant, key_hash, created_at, revoked FROM {self.schema}.gdp_api_keys "
-                "ORDER BY tenant, created_at"
-            ).fetchall()
-        return [ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4])) for r in rows]
+        rows = self._retrying(
+            lambda conn: conn.execute(self._keys_sql() + " ORDER BY tenant, created_at").fetchall()
+        )
+        return [ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6]) for r in rows]
+
+    def expire_api_key(self, key_id: str, expires_at: float) -> bool:
+        def work(conn: Any) -> bool:
+            cur = conn.execute(
+                f"UPDATE {self.schema}.gdp_api_keys SET expires_at = least(coalesce(expires_at, %s), %s) "
+                "WHERE key_id = %s",
+                (expires_at, expires_at, key_id),
+            )
+            return bool(cur.rowcount > 0)
+
+        return self._retrying(work)
+
+    def open_principal_within(
+        self, principal: str, epsilon: float, delta: float, accountant: str, tenant: str
+    ) -> PrincipalRow:
+        s = self.schema
+
+        def work(conn: Any) -> Any:
+            with conn.transaction():
+                r = conn.execute(self._sql["principal"], (principal,)).fetchone()
+                if r is not None:
+                    return r
+                # The tenant's row lock serialises the opens of its sessions while caps exist.
+                caps = conn.execute(f"SELECT 1 FROM {s}.gdp_tenants WHERE tenant = %s FOR UPDATE", (tenant,))
+                if caps.fetchone() is not None:
+                    ok = conn.execute(
+                        f"UPDATE {s}.gdp_tenants SET sessions = sessions + 1, "
+                        "epsilon_granted = epsilon_granted + %s WHERE tenant = %s "
+                        "AND (max_sessions IS NULL OR sessions + 1 <= max_sessions) "
+                        "AND (max_epsilon IS NULL OR epsilon_granted + %s <= max_epsilon) RETURNING 1",
+                        (epsilon, tenant, epsilon),
+                    ).fetchone()
+                    if ok is None:
+                        raise TenantLimitExceeded(cap_message(tenant, epsilon))
+                inserted = conn.execute(
+                    f"INSERT INTO {s}.gdp_principals (principal, epsilon, delta, accountant, created_at) "
+                    "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (principal) DO NOTHING RETURNING epsilon",
+                    (principal, epsilon, delta, accountant, time.time()),
+                ).fetchone()
+                if inserted is None:  # opened concurrently: count nothing (roll back the counters)
+                    raise _Reopened
+                return conn.execute(self._sql["principal"], (principal,)).fetchone()
+
+        try:
+            r = self._retrying(work)
+        except _Reopened:
+            r = self._retrying(lambda conn: conn.execute(self._sql["principal"], (principal,)).fetchone())
+        if r is None:  # a database fault
+            raise RuntimeError(f"ledger principal {principal!r} missing right after it was opened")
+        return PrincipalRow(principal, r[0], r[1], r[2], r[3])
+
+    def set_tenant_limits(self, tenant: str, max_sessions: int | None, max_epsilon: float | None) -> None:
+        s, prefix = self.schema, tenant + "/"
+        with self._connection() as conn, conn.transaction():
+            conn.execute(
+                f"INSERT INTO {s}.gdp_tenants (tenant, max_sessions, max_epsilon) VALUES (%s, %s, %s) "
+                "ON CONFLICT (tenant) DO NOTHING",
+                (tenant, max_sessions, max_epsilon),
+            )
+            conn.execute(f"SELECT 1 FROM {s}.gdp_tenants WHERE tenant = %s FOR UPDATE", (tenant,))
+            # with the row locked, no session of the tenant opens while they are counted
+            conn.execute(
+                f"UPDATE {s}.gdp_tenants t SET max_sessions = %s, max_epsilon = %s, sessions = c.n, "
+                "epsilon_granted = c.e FROM (SELECT count(*) AS n, coalesce(sum(epsilon), 0) AS e "
+                f"FROM {s}.gdp_principals WHERE left(principal, %s) = %s) c WHERE t.tenant = %s",
+                (max_sessions, max_epsilon, len(prefix), prefix, tenant),
+            )
+
+    def get_tenant_limits(self, tenant: str) -> TenantLimits | None:
+        r = self._retrying(
+            lambda conn: conn.execute(
+                "SELECT tenant, max_sessions, max_epsilon, sessions, epsilon_granted "
+                f"FROM {self.schema}.gdp_tenants WHERE tenant = %s",
+                (tenant,),
+            ).fetchone()
+        )
+        return None if r is None else TenantLimits(r[0], r[1], r[2], int(r[3]), float(r[4]))
 
     def revoke_api_key(self, key_id: str) -> bool:
-        with self._pool.connection() as conn:
+        def work(conn: Any) -> bool:  # idempotent
             cur = conn.execute(
                 f"UPDATE {self.schema}.gdp_api_keys SET revoked = TRUE WHERE key_id = %s", (key_id,)
             )
-            return cur.rowcount > 0
+            return bool(cur.rowcount > 0)
+
+        return self._retrying(work)
 
     def close(self) -> None:
         self._pool.close()

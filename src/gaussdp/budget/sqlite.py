@@ -18,50 +18,25 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote
 
+from gaussdp.budget.schema import check_sqlite_schema, upgrade_sqlite
 from gaussdp.budget.store import (
     ApiKeyRow,
     Decide,
     PrincipalRow,
     StoredCharge,
+    StoreUnavailable,
+    TenantLimitExceeded,
+    TenantLimits,
     UnknownPrincipal,
+    cap_message,
     replayed_charge,
 )
 from gaussdp.errors import InvalidParameter
 
 __all__ = ["SQLiteStore"]
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS gdp_principals (
-    principal TEXT PRIMARY KEY,
-    epsilon REAL NOT NULL,
-    delta REAL NOT NULL,
-    accountant TEXT NOT NULL,
-    created_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS gdp_spent (
-    principal TEXT NOT NULL REFERENCES gdp_principals(principal),
-    event_key TEXT NOT NULL,
-    count INTEGER NOT NULL CHECK (count > 0),
-    PRIMARY KEY (principal, event_key)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS gdp_charges (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    principal TEXT NOT NULL REFERENCES gdp_principals(principal),
-    event_key TEXT NOT NULL,
-    idempotency_key TEXT,
-    created_at REAL NOT NULL,
-    within_budget INTEGER NOT NULL,
-    UNIQUE (principal, idempotency_key)
-);
-CREATE INDEX IF NOT EXISTS gdp_charges_principal ON gdp_charges (principal, id);
-CREATE TABLE IF NOT EXISTS gdp_api_keys (
-    key_id TEXT PRIMARY KEY,
-    tenant TEXT NOT NULL,
-    key_hash TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    revoked INTEGER NOT NULL DEFAULT 0
-);
-"""
+
+_KEY_COLUMNS = "SELECT key_id, tenant, key_hash, created_at, revoked, scopes, expires_at FROM gdp_api_keys"
 
 
 class SQLiteStore:
@@ -102,17 +77,11 @@ class SQLiteStore:
                 tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             if "gdp_principals" not in tables:
                 raise InvalidParameter(f"{self.path!r} is not a gaussdp ledger (no gdp_principals table)")
+            with self._conn() as conn:  # a read-only open cannot migrate: refuse an older schema
+                check_sqlite_schema(self.path, conn)
             return
-        with self._conn() as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                for statement in _SCHEMA.split(";"):
-                    if statement.strip():
-                        conn.execute(statement)
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
+        with self._conn() as conn:  # the tables: budget/migrations (one query when up to date)
+            upgrade_sqlite(self.path, conn)
 
     @classmethod
     def from_url(cls, url: str, *, read_only: bool = False) -> SQLiteStore:
@@ -184,7 +153,7 @@ class SQLiteStore:
                 (principal, epsilon, delta, accountant, time.time()),
             )
             row = self._principal(conn, principal)
-            if row is None:  # the INSERT ... DO NOTHING above guarantees a row; a miss is a database fault
+            if row is None:  # a database fault
                 raise RuntimeError(f"ledger principal {principal!r} missing right after it was opened")
             return row
 
@@ -223,7 +192,12 @@ class SQLiteStore:
         return dict(rows)
 
     def charge(
-        self, principal: str, event_key: str, idempotency_key: str | None, decide: Decide
+        self,
+        principal: str,
+        event_key: str,
+        idempotency_key: str | None,
+        decide: Decide,
+        key_id: str | None = None,
     ) -> StoredCharge:
         with self._write_lock, self._conn() as conn:
             # The write lock is taken first: the history read below cannot go stale before our commit.
@@ -242,13 +216,15 @@ class SQLiteStore:
                 row = PrincipalRow(principal, r0[0], r0[1], r0[2], r0[3])
                 if idempotency_key is not None:
                     r = conn.execute(
-                        "SELECT id, event_key, created_at, within_budget FROM gdp_charges "
+                        "SELECT id, event_key, created_at, within_budget, key_id FROM gdp_charges "
                         "WHERE principal = ? AND idempotency_key = ?",
                         (principal, idempotency_key),
                     ).fetchone()
                     if r is not None:
                         conn.execute("COMMIT")
-                        earlier = StoredCharge(r[0], principal, r[1], idempotency_key, r[2], bool(r[3]))
+                        earlier = StoredCharge(
+                            r[0], principal, r[1], idempotency_key, r[2], bool(r[3]), key_id=r[4]
+                        )
                         return replayed_charge(earlier, event_key)
                 groups = {r[4]: r[5] for r in rows if r[4] is not None}
                 within = decide(row, groups)  # may raise: the ROLLBACK below records nothing
@@ -260,9 +236,9 @@ class SQLiteStore:
                 )
                 cur = conn.execute(
                     "INSERT INTO gdp_charges "
-                    "(principal, event_key, idempotency_key, created_at, within_budget)"
-                    " VALUES (?, ?, ?, ?, ?)",
-                    (principal, event_key, idempotency_key, now, int(within)),
+                    "(principal, event_key, idempotency_key, created_at, within_budget, key_id)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    (principal, event_key, idempotency_key, now, int(within), key_id),
                 )
                 charge_id = cur.lastrowid
                 conn.execute("COMMIT")
@@ -270,16 +246,16 @@ class SQLiteStore:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
-        if charge_id is None:
+        if charge_id is None:  # a database fault
             raise RuntimeError(f"the charge of {principal!r} was committed without a charge id")
-        return StoredCharge(charge_id, principal, event_key, idempotency_key, now, within)
+        return StoredCharge(charge_id, principal, event_key, idempotency_key, now, within, key_id=key_id)
 
     def history(self, principal: str, limit: int | None = None) -> list[StoredCharge]:
         with self._conn() as conn:
             if self._principal(conn, principal) is None:
                 raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
             sql = (
-                "SELECT id, event_key, idempotency_key, created_at, within_budget FROM gdp_charges "
+                "SELECT id, event_key, idempotency_key, created_at, within_budget, key_id FROM gdp_charges "
                 "WHERE principal = ? ORDER BY id DESC"
             )
             args: tuple[object, ...] = (principal,)
@@ -287,36 +263,135 @@ class SQLiteStore:
                 sql += " LIMIT ?"
                 args = (principal, int(limit))
             rows = conn.execute(sql, args).fetchall()
-        return [StoredCharge(r[0], principal, r[1], r[2], r[3], bool(r[4])) for r in reversed(rows)]
+        return [
+            StoredCharge(r[0], principal, r[1], r[2], r[3], bool(r[4]), key_id=r[5]) for r in reversed(rows)
+        ]
+
+    def charges_after(
+        self, prefix: str, after_id: int, limit: int, *, exact: bool = False
+    ) -> list[StoredCharge]:
+        where = "principal = ?" if exact else "substr(principal, 1, ?) = ?"
+        args: tuple[object, ...] = (prefix,) if exact else (len(prefix), prefix)
+        with self._conn() as conn:
+            rows = conn.execute(
+                "SELECT id, principal, event_key, idempotency_key, created_at, within_budget, key_id "
+                f"FROM gdp_charges WHERE {where} AND id > ? ORDER BY id LIMIT ?",
+                (*args, int(after_id), int(limit)),
+            ).fetchall()
+        return [StoredCharge(r[0], r[1], r[2], r[3], r[4], bool(r[5]), key_id=r[6]) for r in rows]
 
     def put_api_key(self, row: ApiKeyRow) -> None:
         with self._conn() as conn:
             conn.execute(
-                "INSERT INTO gdp_api_keys (key_id, tenant, key_hash, created_at, revoked) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (row.key_id, row.tenant, row.key_hash, row.created_at, int(row.revoked)),
+                "INSERT INTO gdp_api_keys "
+                "(key_id, tenant, key_hash, created_at, revoked, scopes, expires_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    row.key_id,
+                    row.tenant,
+                    row.key_hash,
+                    row.created_at,
+                    int(row.revoked),
+                    row.scopes,
+                    row.expires_at,
+                ),
             )
 
     def get_api_key(self, key_id: str) -> ApiKeyRow | None:
         with self._conn() as conn:
-            r = conn.execute(
-                "SELECT key_id, tenant, key_hash, created_at, revoked FROM gdp_api_keys WHERE key_id = ?",
-                (key_id,),
-            ).fetchone()
-        return None if r is None else ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4]))
+            r = conn.execute(_KEY_COLUMNS + " WHERE key_id = ?", (key_id,)).fetchone()
+        return None if r is None else ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6])
 
     def list_api_keys(self) -> list[ApiKeyRow]:
         with self._conn() as conn:
-            rows = conn.execute(
-                "SELECT key_id, tenant, key_hash, created_at, revoked FROM gdp_api_keys "
-                "ORDER BY tenant, created_at"
-            ).fetchall()
-        return [ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4])) for r in rows]
+            rows = conn.execute(_KEY_COLUMNS + " ORDER BY tenant, created_at").fetchall()
+        return [ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6]) for r in rows]
+
+    def expire_api_key(self, key_id: str, expires_at: float) -> bool:
+        with self._conn() as conn:
+            cur = conn.execute(
+                "UPDATE gdp_api_keys SET expires_at = min(coalesce(expires_at, ?), ?) WHERE key_id = ?",
+                (expires_at, expires_at, key_id),
+            )
+            return cur.rowcount > 0
+
+    def open_principal_within(
+        self, principal: str, epsilon: float, delta: float, accountant: str, tenant: str
+    ) -> PrincipalRow:
+        with self._write_lock, self._conn() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._principal(conn, principal)
+                if row is None:
+                    has_caps = conn.execute(
+                        "SELECT 1 FROM gdp_tenants WHERE tenant = ?", (tenant,)
+                    ).fetchone()
+                    if has_caps is not None:
+                        cur = conn.execute(
+                            "UPDATE gdp_tenants SET sessions = sessions + 1, "
+                            "epsilon_granted = epsilon_granted + ? "
+                            "WHERE tenant = ? AND (max_sessions IS NULL OR sessions + 1 <= max_sessions) "
+                            "AND (max_epsilon IS NULL OR epsilon_granted + ? <= max_epsilon)",
+                            (epsilon, tenant, epsilon),
+                        )
+                        if cur.rowcount == 0:
+                            raise TenantLimitExceeded(cap_message(tenant, epsilon))
+                    conn.execute(
+                        "INSERT INTO gdp_principals (principal, epsilon, delta, accountant, created_at) "
+                        "VALUES (?, ?, ?, ?, ?)",
+                        (principal, epsilon, delta, accountant, time.time()),
+                    )
+                    row = self._principal(conn, principal)
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+        if row is None:  # a database fault
+            raise RuntimeError(f"ledger principal {principal!r} missing right after it was opened")
+        return row
+
+    def set_tenant_limits(self, tenant: str, max_sessions: int | None, max_epsilon: float | None) -> None:
+        prefix = tenant + "/"
+        with self._write_lock, self._conn() as conn:
+            conn.execute("BEGIN IMMEDIATE")  # no session of the tenant opens while it is counted
+            try:
+                conn.execute(
+                    "INSERT INTO gdp_tenants (tenant, max_sessions, max_epsilon, sessions, epsilon_granted) "
+                    "SELECT ?, ?, ?, count(*), coalesce(sum(epsilon), 0) FROM gdp_principals "
+                    "WHERE substr(principal, 1, ?) = ? "
+                    "ON CONFLICT (tenant) DO UPDATE SET max_sessions = excluded.max_sessions, "
+                    "max_epsilon = excluded.max_epsilon, sessions = excluded.sessions, "
+                    "epsilon_granted = excluded.epsilon_granted",
+                    (tenant, max_sessions, max_epsilon, len(prefix), prefix),
+                )
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+
+    def get_tenant_limits(self, tenant: str) -> TenantLimits | None:
+        with self._conn() as conn:
+            r = conn.execute(
+                "SELECT tenant, max_sessions, max_epsilon, sessions, epsilon_granted FROM gdp_tenants "
+                "WHERE tenant = ?",
+                (tenant,),
+            ).fetchone()
+        return None if r is None else TenantLimits(r[0], r[1], r[2], int(r[3]), float(r[4]))
 
     def revoke_api_key(self, key_id: str) -> bool:
         with self._conn() as conn:
             cur = conn.execute("UPDATE gdp_api_keys SET revoked = 1 WHERE key_id = ?", (key_id,))
             return cur.rowcount > 0
+
+    def ping(self) -> None:
+        """Read the database file (a trivial query on a pooled connection)."""
+        try:
+            with self._conn() as conn:
+                conn.execute("SELECT count(*) FROM gdp_principals WHERE 0").fetchone()
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"the SQLite ledger {self.path!r} cannot be read: {exc}") from exc
 
     def close(self) -> None:
         while True:

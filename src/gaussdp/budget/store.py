@@ -25,7 +25,10 @@ __all__ = [
     "PrincipalConflict",
     "PrincipalRow",
     "Store",
+    "StoreUnavailable",
     "StoredCharge",
+    "TenantLimitExceeded",
+    "TenantLimits",
     "UnknownPrincipal",
     "open_store",
     "replayed_charge",
@@ -45,6 +48,14 @@ class PrincipalConflict(InvalidParameter):
 class LedgerContention(PrivacyError):
     """A charge was retried too often because concurrent charges kept changing the principal's
     history under it; nothing was charged, and retrying later is safe."""
+
+
+class StoreUnavailable(RuntimeError):
+    """The ledger's database cannot be reached (or the connection broke mid-request).
+
+    Fail closed: whatever was being released is not released. A charge whose connection broke after
+    its write was sent may or may not be on record (budget lost at worst, never privacy).
+    """
 
 
 class UnknownPrincipal(KeyError):
@@ -72,6 +83,7 @@ class StoredCharge:
     created_at: float
     within_budget: bool
     replayed: bool = False
+    key_id: str | None = None  # the API key that made the charge (service), if any
 
 
 @dataclass(frozen=True)
@@ -81,6 +93,30 @@ class ApiKeyRow:
     key_hash: str
     created_at: float
     revoked: bool
+    scopes: str = "release"  # space-separated: read, release, admin
+    expires_at: float | None = None  # unix time; None: never
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """Caps on what a tenant may grant its sessions, and the counters checked against them."""
+
+    tenant: str
+    max_sessions: int | None
+    max_epsilon: float | None
+    sessions: int = 0
+    epsilon_granted: float = 0.0
+
+
+class TenantLimitExceeded(PrivacyError):
+    """Opening the session would pass its tenant's cap on sessions or on total epsilon granted."""
+
+
+def cap_message(tenant: str, epsilon: float) -> str:
+    return (
+        f"tenant {tenant!r}: opening this session (epsilon={epsilon!r}) would pass the tenant's cap on "
+        "sessions or on total epsilon granted; nothing was opened"
+    )
 
 
 # decide(principal_row, groups) -> within_budget; raises (e.g. BudgetExhausted) to record nothing.
@@ -101,12 +137,24 @@ class Store(Protocol):
         """A snapshot of ``event_key -> count`` (no lock; for cache warming and reports)."""
 
     def charge(
-        self, principal: str, event_key: str, idempotency_key: str | None, decide: Decide
+        self,
+        principal: str,
+        event_key: str,
+        idempotency_key: str | None,
+        decide: Decide,
+        key_id: str | None = None,
     ) -> StoredCharge:
         """Atomically: lock the principal, replay an existing idempotency key, or call ``decide`` and
-        record the charge. Raises :class:`UnknownPrincipal` when the principal was never opened."""
+        record the charge (with the API key id that made it). Raises :class:`UnknownPrincipal` when
+        the principal was never opened."""
 
     def history(self, principal: str, limit: int | None = None) -> list[StoredCharge]: ...
+
+    def charges_after(
+        self, prefix: str, after_id: int, limit: int, *, exact: bool = False
+    ) -> list[StoredCharge]:
+        """At most ``limit`` charges with id > ``after_id``, by id, of the principal ``prefix``
+        (``exact``) or of every principal starting with ``prefix``: one page of a history or export."""
 
     def put_api_key(self, row: ApiKeyRow) -> None: ...
 
@@ -115,6 +163,23 @@ class Store(Protocol):
     def list_api_keys(self) -> list[ApiKeyRow]: ...
 
     def revoke_api_key(self, key_id: str) -> bool: ...
+
+    def expire_api_key(self, key_id: str, expires_at: float) -> bool:
+        """Set the key's expiry (to the earlier of the stored one and ``expires_at``)."""
+
+    def open_principal_within(
+        self, principal: str, epsilon: float, delta: float, accountant: str, tenant: str
+    ) -> PrincipalRow:
+        """:meth:`open_principal`, counted against ``tenant``'s caps atomically (raises
+        :class:`TenantLimitExceeded`); reopening an existing principal counts nothing."""
+
+    def set_tenant_limits(self, tenant: str, max_sessions: int | None, max_epsilon: float | None) -> None:
+        """Set the caps (counting the sessions ``tenant/...`` already open)."""
+
+    def get_tenant_limits(self, tenant: str) -> TenantLimits | None: ...
+
+    def ping(self) -> None:
+        """Reach the database with a trivial query; raise :class:`StoreUnavailable` when it cannot."""
 
     def close(self) -> None: ...
 
@@ -190,4 +255,5 @@ def replayed_charge(earlier: StoredCharge, event_key: str) -> StoredCharge:
         earlier.created_at,
         earlier.within_budget,
         replayed=True,
+        key_id=earlier.key_id,
     )

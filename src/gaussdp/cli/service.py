@@ -20,7 +20,11 @@ def register(app: typer.Typer) -> None:
     keys.command("create")(keys_create)
     keys.command("list")(keys_list)
     keys.command("revoke")(keys_revoke)
+    keys.command("rotate")(keys_rotate)
     app.add_typer(keys, name="keys")
+    tenants = typer.Typer(help="Per-tenant caps.", no_args_is_help=True)
+    tenants.command("limits")(tenants_limits)
+    app.add_typer(tenants, name="tenants")
     ledger = typer.Typer(help="Inspect the privacy ledger.", no_args_is_help=True)
     ledger.command("show")(ledger_show)
     app.add_typer(ledger, name="ledger")
@@ -32,12 +36,32 @@ def _missing_extra() -> None:
 
 
 def serve(
-    db: str = typer.Option(DEFAULT_DB, "--db", help=_DB_HELP),
-    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
-    port: int = typer.Option(8000, help="TCP port."),
-    max_body_bytes: int = typer.Option(8 * 1024 * 1024, help="Larger request bodies get 413."),
+    db: str = typer.Option(DEFAULT_DB, "--db", envvar="GAUSSDP_DB", help=_DB_HELP),
+    host: str = typer.Option("127.0.0.1", envvar="GAUSSDP_HOST", help="Interface to listen on."),
+    port: int = typer.Option(8000, envvar="GAUSSDP_PORT", help="TCP port."),
+    workers: int = typer.Option(1, "--workers", envvar="GAUSSDP_WORKERS", min=1, help="Worker processes."),
+    max_body_bytes: int = typer.Option(
+        8 * 1024 * 1024, envvar="GAUSSDP_MAX_BODY_BYTES", help="Larger request bodies get 413."
+    ),
     cpu_limit_s: float = typer.Option(
-        1.0, "--cpu-limit-s", help="CPU seconds of numeric work per request; past it 422, nothing charged."
+        1.0,
+        "--cpu-limit-s",
+        envvar="GAUSSDP_CPU_LIMIT_S",
+        help="CPU seconds of numeric work per request; past it 422, nothing charged.",
+    ),
+    rate_limit_per_s: float | None = typer.Option(
+        None, envvar="GAUSSDP_RATE_LIMIT_PER_S", help="Requests/s per API key and worker; past it 429."
+    ),
+    rate_limit_burst: int | None = typer.Option(None, envvar="GAUSSDP_RATE_LIMIT_BURST", help="Bucket size."),
+    text: str = typer.Option("keyed", envvar="GAUSSDP_TEXT", help="/text routes: keyed, public or off."),
+    metrics: str = typer.Option(
+        "keyed", envvar="GAUSSDP_METRICS", help="/metrics: keyed (admin), public or off."
+    ),
+    ssl_certfile: Path | None = typer.Option(
+        None, envvar="GAUSSDP_SSL_CERTFILE", help="TLS certificate (PEM)."
+    ),
+    ssl_keyfile: Path | None = typer.Option(
+        None, envvar="GAUSSDP_SSL_KEYFILE", help="TLS private key (PEM)."
     ),
     model: list[str] = typer.Option(
         [], "--model", help="NAME=PATH: a Hugging Face causal LM in a local directory, loaded at start-up."
@@ -49,20 +73,37 @@ def serve(
         "(one module's A and B; #MODULE picks it when the adapter has several).",
     ),
 ) -> None:
-    """Run the gaussdp HTTP service (OpenAPI docs at /docs).
+    """Run the gaussdp HTTP service (OpenAPI docs at /docs). Every option also reads GAUSSDP_*.
 
-    Models and adapters are read once, here, from local directories; no request can name a path.
+    Models and adapters are read once, at start-up, from local directories (by every worker); no
+    request can name a path.
     """
+    import os
+
     try:
-        from gaussdp.service.app import create_app
-        from gaussdp.service.server import serve as run
+        from gaussdp.budget import Ledger
+        from gaussdp.service.config import ADAPTERS_ENV, ENV, MODELS_ENV, settings_from_env
+        from gaussdp.service.server import serve_factory
     except ImportError:
         _missing_extra()
-    models, adapters = _load_models_and_adapters(model, adapter)
-    app = create_app(
-        db, max_body_bytes=max_body_bytes, cpu_limit_s=cpu_limit_s, lora_adapters=adapters or None
-    )
-    app.state.models = models
+    if (ssl_certfile is None) != (ssl_keyfile is None):
+        typer.echo("error: TLS needs both --ssl-certfile and --ssl-keyfile", err=True)
+        raise typer.Exit(2)
+    chosen = {
+        "ledger_url": db,
+        "cpu_limit_s": cpu_limit_s,
+        "max_body_bytes": max_body_bytes,
+        "rate_limit_per_s": rate_limit_per_s,
+        "rate_limit_burst": rate_limit_burst,
+        "text": text,
+        "metrics": metrics,
+    }
+    for name, value in chosen.items():  # the workers build their app from the environment
+        if value is None:
+            os.environ.pop(ENV[name], None)
+        else:
+            os.environ[ENV[name]] = str(value)
+    models, adapters = _load_models_and_adapters(model, adapter)  # fail before listening
     for name, spec in adapters.items():
         a, b, scaling = spec
         typer.echo(
@@ -70,10 +111,36 @@ def serve(
         )
     for name in models:
         typer.echo(f"model {name}: {type(models[name]).__name__}")
-    if not app.state.ledger.store.list_api_keys():
-        typer.echo(f"no API keys yet: create one with  gaussdp keys create TENANT --db {db}", err=True)
-    typer.echo(f"gaussdp service on http://{host}:{port}  (docs: http://{host}:{port}/docs, ledger: {db})")
-    run(app, host=host, port=port)
+    del models, adapters  # each worker loads its own copy (gaussdp.service.config.app_from_env)
+    for var, specs in ((MODELS_ENV, model), (ADAPTERS_ENV, adapter)):
+        if specs:
+            os.environ[var] = "\n".join(specs)
+        else:
+            os.environ.pop(var, None)
+    try:
+        settings = settings_from_env()
+        from gaussdp.service.app import create_app
+
+        create_app(ledger=Ledger("memory://"), **{k: v for k, v in settings.items() if k != "ledger_url"})
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    with Ledger(db) as ledger:  # the schema is migrated once here, before any worker starts
+        if not ledger.store.list_api_keys():
+            typer.echo(f"no API keys yet: create one with  gaussdp keys create TENANT --db {db}", err=True)
+    scheme = "https" if ssl_certfile else "http"
+    typer.echo(
+        f"gaussdp service on {scheme}://{host}:{port} with {workers} worker(s)  "
+        f"(docs: {scheme}://{host}:{port}/docs, ledger: {db})"
+    )
+    serve_factory(
+        "gaussdp.service.config:app_from_env",
+        host=host,
+        port=port,
+        workers=workers,
+        ssl_certfile=None if ssl_certfile is None else str(ssl_certfile),
+        ssl_keyfile=None if ssl_keyfile is None else str(ssl_keyfile),
+    )
 
 
 def _load_models_and_adapters(model: list[str], adapter: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -100,15 +167,24 @@ def _load_models_and_adapters(model: list[str], adapter: list[str]) -> tuple[dic
 def keys_create(
     tenant: str = typer.Argument(..., help="Tenant name: letters, digits, '_', '.', '-'."),
     db: str = typer.Option(DEFAULT_DB, "--db", help=_DB_HELP),
+    scope: str = typer.Option(
+        "release", help="read (GET routes), release (read + releases), admin (+ audit)."
+    ),
+    expires_in_s: float | None = typer.Option(
+        None, "--expires-in-s", help="Refused this many seconds from now."
+    ),
 ) -> None:
     """Create an API key for TENANT and print it once (only its hash is stored)."""
+    import time
+
     from gaussdp.budget import Ledger
     from gaussdp.errors import PrivacyError
     from gaussdp.service.keys import create_api_key
 
+    expires_at = None if expires_in_s is None else time.time() + expires_in_s
     with Ledger(db) as ledger:
         try:
-            key = create_api_key(ledger.store, tenant)
+            key = create_api_key(ledger.store, tenant, scope=scope, expires_at=expires_at)
         except PrivacyError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
@@ -123,14 +199,21 @@ def keys_list(db: str = typer.Option(DEFAULT_DB, "--db", help=_DB_HELP)) -> None
     with _read_only_ledger(db) as ledger:
         for row in ledger.store.list_api_keys():
             when = dt.datetime.fromtimestamp(row.created_at, dt.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
-            typer.echo(f"{row.key_id}  {row.tenant}  {when}{'  revoked' if row.revoked else ''}")
+            expires = (
+                ""
+                if row.expires_at is None
+                else "  expires "
+                + dt.datetime.fromtimestamp(row.expires_at, dt.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+            )
+            revoked = "  revoked" if row.revoked else ""
+            typer.echo(f"{row.key_id}  {row.tenant}  {row.scopes}  {when}{expires}{revoked}")
 
 
 def keys_revoke(
     key_id: str = typer.Argument(..., help="The id shown by `gaussdp keys list`."),
     db: str = typer.Option(DEFAULT_DB, "--db", help=_DB_HELP),
 ) -> None:
-    """Revoke a key (running servers stop accepting it within 30 s)."""
+    """Revoke a key (running servers stop accepting it within 1 s)."""
     from gaussdp.budget import Ledger
 
     with Ledger(db) as ledger:
@@ -146,6 +229,50 @@ def _read_only_ledger(db: str) -> Any:
     from gaussdp.budget.store import open_store
 
     return Ledger(db, store=open_store(db, read_only=True))
+
+
+def keys_rotate(
+    key_id: str = typer.Argument(..., help="The id shown by `gaussdp keys list`."),
+    db: str = typer.Option(DEFAULT_DB, "--db", help=_DB_HELP),
+    grace_s: float = typer.Option(3600.0, "--grace-s", help="The old key keeps working this long."),
+) -> None:
+    """Print a new key with the tenant and scope of KEY_ID; the old key expires after --grace-s."""
+    from gaussdp.budget import Ledger
+    from gaussdp.errors import PrivacyError
+    from gaussdp.service.keys import rotate_api_key
+
+    with Ledger(db) as ledger:
+        try:
+            key = rotate_api_key(ledger.store, key_id, grace_s=grace_s)
+        except PrivacyError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+    typer.echo(key)
+    typer.echo(f"(new key; {key_id} expires in {grace_s:g} s)", err=True)
+
+
+def tenants_limits(
+    tenant: str = typer.Argument(..., help="Tenant name."),
+    db: str = typer.Option(DEFAULT_DB, "--db", help=_DB_HELP),
+    max_sessions: int | None = typer.Option(None, "--max-sessions", help="Sessions the tenant may open."),
+    max_epsilon: float | None = typer.Option(
+        None, "--max-epsilon", help="Total epsilon the tenant may grant its sessions."
+    ),
+) -> None:
+    """Set TENANT's caps (none given: show them); sessions already open are counted."""
+    from gaussdp.budget import Ledger
+
+    with Ledger(db) as ledger:
+        if max_sessions is not None or max_epsilon is not None:
+            ledger.store.set_tenant_limits(tenant, max_sessions, max_epsilon)
+        limits = ledger.store.get_tenant_limits(tenant)
+    if limits is None:
+        typer.echo(f"{tenant}: no caps")
+    else:
+        typer.echo(
+            f"{tenant}: sessions {limits.sessions}/{limits.max_sessions or '-'}, "
+            f"epsilon granted {limits.epsilon_granted:g}/{limits.max_epsilon or '-'}"
+        )
 
 
 def ledger_show(

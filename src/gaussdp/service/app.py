@@ -1,12 +1,17 @@
 """The FastAPI application: sessions with budgets, and Gaussian releases charged to them first.
 
-Status codes: 401 missing or bad API key; 404 a session this tenant does not own (another tenant's
+Status codes: 400 a body that is not UTF-8 JSON; 401 missing, bad, revoked or expired API key; 403
+the key's scope (read < release < admin) does not allow the route; 429 the key's rate limit
+(``Retry-After``); 404 a session this tenant does not own (another tenant's
 sessions are indistinguishable from missing ones); 409 the session's budget cannot pay for the
 release (``BudgetExhausted``: nothing was charged or released), an idempotency key was already
 used for a release, or concurrent charges kept moving the session's history (``ledger_contention``,
-with ``Retry-After``); 413 request body over ``max_body_bytes``; 422 invalid arguments, naming them,
+with ``Retry-After``), or the tenant's cap on sessions or total epsilon
+(``tenant_limit_exceeded``); 413 request body over ``max_body_bytes``; 422 invalid arguments, naming them,
 or a request that needs more than ``cpu_limit_s`` of numeric work (``work_limit_exceeded``; nothing
-charged).
+charged); 503 the ledger's database cannot be reached (``database_unavailable``, with ``Retry-After``;
+nothing released). ``/healthz`` is liveness only (the process answers); ``/readyz`` reaches the
+database and answers 503 while it cannot.
 
 Split mode (document 000) has two endpoints. ``/hidden-state`` is for a TRUSTED server: it receives
 the clean hidden state, clips and noises it itself. ``/lora-delta`` is for an honest-but-curious
@@ -20,9 +25,10 @@ privacy the client declares it spent (the server cannot verify that noise).
 import base64
 import binascii
 import functools
+import json
 import logging
+import math
 import secrets
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -34,10 +40,13 @@ from gaussdp._extras import require_extra
 
 require_extra("service", feature="gaussdp.service")
 
-from fastapi import Depends, FastAPI, HTTPException, Path, Request
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gaussdp._worklimit import cpu_limit, no_cpu_limit
 from gaussdp.budget import (
@@ -46,58 +55,52 @@ from gaussdp.budget import (
     Ledger,
     LedgerContention,
     PrincipalConflict,
+    StoreUnavailable,
+    TenantLimitExceeded,
     UnknownPrincipal,
 )
 from gaussdp.errors import PrivacyError, WorkLimitExceeded
-from gaussdp.service.keys import verify_api_key
-from gaussdp.service.limits import BodySizeLimit
+from gaussdp.service.auth import Caller, KeyCache
+from gaussdp.service.keys import scope_allows
+from gaussdp.service.limits import BodySizeLimit, RateLimiter
+from gaussdp.service.metrics import Metrics
 from gaussdp.service.models import (
     SESSION_ID_PATTERN,
+    AuditLine,
     ChargeOut,
     HiddenStateIn,
     HiddenStateOut,
+    HistoryPage,
     LoraDeltaIn,
     LoraDeltaOut,
     Privacy,
+    ReadyOut,
     ReleaseIn,
     ReleaseOut,
     SessionIn,
     SessionOut,
 )
+from gaussdp.service.responses import CURSOR_PATTERN, after_cursor, cursor_after
+from gaussdp.service.responses import responses as error_responses
 
-__all__ = ["DEFAULT_CPU_LIMIT_S", "DEFAULT_LEDGER_URL", "DEFAULT_MAX_BODY_BYTES", "create_app"]
+__all__ = [
+    "DEFAULT_CPU_LIMIT_S",
+    "DEFAULT_LEDGER_URL",
+    "DEFAULT_MAX_BODY_BYTES",
+    "create_app",
+    "create_text_app",
+]
 
 logger = logging.getLogger("gaussdp.service")
 
 DEFAULT_LEDGER_URL = "sqlite:///gaussdp-ledger.db"
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_CPU_LIMIT_S = 1.0
-_KEY_CACHE_SECONDS = 30.0
+HISTORY_DEFAULT_LIMIT = 100
+HISTORY_MAX_LIMIT = 1000
+_EXPORT_PAGE = 1000
 
 SessionId = Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The session's id.")]
-
-
-class _Tenants:
-    """API key -> tenant, verified against the store, remembered for a short while (revocation lag)."""
-
-    def __init__(self, ledger: Ledger) -> None:
-        self._ledger = ledger
-        self._cache: dict[str, tuple[str, float]] = {}
-        self._lock = threading.Lock()
-
-    def tenant(self, key: str) -> str | None:
-        now = time.monotonic()
-        with self._lock:
-            hit = self._cache.get(key)
-        if hit is not None and now - hit[1] < _KEY_CACHE_SECONDS:
-            return hit[0]
-        tenant = verify_api_key(self._ledger.store, key)
-        if tenant is not None:
-            with self._lock:
-                if len(self._cache) > 10_000:
-                    self._cache.clear()
-                self._cache[key] = (tenant, now)
-        return tenant
 
 
 def create_app(
@@ -108,6 +111,10 @@ def create_app(
     noise: Literal["secure", "fast"] = "secure",
     lora_adapters: Mapping[str, Any] | None = None,
     cpu_limit_s: float = DEFAULT_CPU_LIMIT_S,
+    rate_limit_per_s: float | None = None,
+    rate_limit_burst: int | None = None,
+    text: Literal["keyed", "public", "off"] = "keyed",
+    metrics: Literal["keyed", "public", "off"] = "keyed",
 ) -> FastAPI:
     """Build the service over a ledger (opened from ``ledger_url`` unless ``ledger`` is given).
 
@@ -124,12 +131,27 @@ def create_app(
             past it the request is answered 422 ``work_limit_exceeded`` with nothing charged (the
             ledger computes before it charges). Every routine is bounded well below the default of
             1 s for the parameters the API accepts; the limit is the backstop.
+        rate_limit_per_s: requests a second each API key may make (token bucket, per worker
+            process; ``None``: no limit); past it 429 with ``Retry-After``.
+        rate_limit_burst: the bucket's size (default: the rate rounded up).
+        text: the ``/text`` page and its routes (:mod:`gaussdp.text.web`, when importable):
+            ``"keyed"`` (default: any valid API key of scope ``release``), ``"public"`` (no key), or
+            ``"off"`` (serve them on their own app: :func:`create_text_app`).
+        metrics: ``/metrics`` in Prometheus text format (:mod:`gaussdp.service.metrics`):
+            ``"keyed"`` (default: an ``admin`` key; tenant names are labels), ``"public"`` (for a
+            scraper on a private network), or ``"off"``.
     """
+    if metrics not in ("keyed", "public", "off"):
+        raise ValueError(f"metrics must be 'keyed', 'public' or 'off', got metrics={metrics!r}")
+    stats = None if metrics == "off" else Metrics()
+    if text not in ("keyed", "public", "off"):
+        raise ValueError(f"text must be 'keyed', 'public' or 'off', got text={text!r}")
+    limiter = None if rate_limit_per_s is None else RateLimiter(rate_limit_per_s, rate_limit_burst)
     if not cpu_limit_s > 0:
         raise ValueError(f"cpu_limit_s must be > 0, got cpu_limit_s={cpu_limit_s!r}")
     owns_ledger = ledger is None
     led = Ledger(ledger_url) if ledger is None else ledger
-    tenants = _Tenants(led)
+    tenants = KeyCache(led)
     adapters = _lora_adapters(lora_adapters)
     lora_delta_of = _server_lora_delta() if adapters else None
 
@@ -147,15 +169,63 @@ def create_app(
     )
     app.state.ledger = led
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
+
+    def refused(reason: str) -> None:
+        if stats is not None:
+            stats.refusals.labels(reason).inc()
+
+    def charged(who: Caller, receipt: Any) -> None:
+        if stats is not None and not receipt.replayed:
+            stats.charges.labels(who.tenant).inc()
+            stats.epsilon.labels(who.tenant).inc(led.increase(receipt))
+
+    if stats is not None:
+
+        @app.middleware("http")
+        async def _timing(request: Request, call_next: Any) -> Any:
+            t0 = time.perf_counter()
+            response = await call_next(request)
+            route = request.scope.get("route")
+            path = getattr(route, "path", "unmatched")  # the template: bounded label values
+            stats.requests.labels(path, request.method, str(response.status_code)).observe(
+                time.perf_counter() - t0
+            )
+            return response
+
     bearer = HTTPBearer(auto_error=False, description="An API key from `gaussdp keys create TENANT`.")
 
-    def tenant_of(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
-        tenant = None if creds is None else tenants.tenant(creds.credentials)
-        if tenant is None:
-            raise HTTPException(401, "missing or invalid API key", headers={"WWW-Authenticate": "Bearer"})
-        return tenant
+    def caller_of(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller:
+        caller = None if creds is None else tenants.tenant(creds.credentials)
+        if caller is None:
+            refused("unauthorized")
+            raise HTTPException(
+                401, "missing, invalid, revoked or expired API key", headers={"WWW-Authenticate": "Bearer"}
+            )
+        if limiter is not None:
+            wait = limiter.take(caller.key_id)
+            if wait > 0:
+                refused("rate_limited")
+                raise HTTPException(
+                    429,
+                    f"rate limit of this API key ({limiter.rate:g} requests/s) reached; retry later",
+                    headers={"Retry-After": str(max(1, math.ceil(wait)))},
+                )
+        return caller
 
-    Tenant = Annotated[str, Depends(tenant_of)]
+    def needs(scope: str) -> Callable[[Caller], Caller]:
+        def scoped(caller: Annotated[Caller, Depends(caller_of)]) -> Caller:
+            if not scope_allows(caller.scope, scope):
+                refused("forbidden")
+                raise HTTPException(
+                    403, f"this API key's scope {caller.scope!r} does not allow {scope!r} routes"
+                )
+            return caller
+
+        return scoped
+
+    Who = Annotated[Caller, Depends(needs("read"))]
+    Releaser = Annotated[Caller, Depends(needs("release"))]
+    Admin = Annotated[Caller, Depends(needs("admin"))]
 
     def bounded(route: Callable[..., Any]) -> Callable[..., Any]:
         """Run a (sync) route under the per-request CPU limit, in the worker thread that runs it."""
@@ -192,6 +262,7 @@ def create_app(
 
     @app.exception_handler(BudgetExhausted)
     async def _exhausted(request: Request, exc: BudgetExhausted) -> JSONResponse:
+        refused("budget_exhausted")
         return JSONResponse({"detail": str(exc), "error": "budget_exhausted"}, status_code=409)
 
     @app.exception_handler(RequestValidationError)
@@ -205,13 +276,20 @@ def create_app(
 
     @app.exception_handler(WorkLimitExceeded)
     async def _work_limit(request: Request, exc: WorkLimitExceeded) -> JSONResponse:
+        refused("work_limit_exceeded")
         return JSONResponse({"detail": str(exc), "error": "work_limit_exceeded"}, status_code=422)
 
     @app.exception_handler(LedgerContention)
     async def _contention(request: Request, exc: LedgerContention) -> JSONResponse:
+        refused("ledger_contention")
         return JSONResponse(
             {"detail": str(exc), "error": "ledger_contention"}, status_code=409, headers={"Retry-After": "1"}
         )
+
+    @app.exception_handler(TenantLimitExceeded)
+    async def _tenant_limit(request: Request, exc: TenantLimitExceeded) -> JSONResponse:
+        refused("tenant_limit_exceeded")
+        return JSONResponse({"detail": str(exc), "error": "tenant_limit_exceeded"}, status_code=409)
 
     @app.exception_handler(PrincipalConflict)
     async def _conflict(request: Request, exc: PrincipalConflict) -> JSONResponse:
@@ -221,56 +299,173 @@ def create_app(
     async def _invalid(request: Request, exc: PrivacyError) -> JSONResponse:
         return JSONResponse({"detail": str(exc), "error": type(exc).__name__}, status_code=422)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Any:
+        if exc.status_code == 405:  # Allow lists every method of the path (routes are per method)
+            allowed = sorted(
+                {
+                    m
+                    for r in app.routes
+                    if isinstance(r, APIRoute) and r.path_regex.match(request.url.path)
+                    for m in (r.methods or ())
+                }
+            )
+            headers = {**(exc.headers or {}), "Allow": ", ".join(allowed)}
+            return JSONResponse({"detail": exc.detail}, status_code=405, headers=headers)
+        return await http_exception_handler(request, exc)
+
+    @app.exception_handler(StoreUnavailable)
+    async def _unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        refused("database_unavailable")
+        logger.warning("ledger database unavailable: %s", exc)
+        return JSONResponse(
+            {
+                "detail": "the ledger's database cannot be reached; nothing was released",
+                "error": "database_unavailable",
+            },
+            status_code=503,
+            headers={"Retry-After": "1"},
+        )
+
     @app.get("/healthz", tags=["meta"])
     def healthz() -> dict[str, str]:
-        """Liveness probe (no key needed)."""
+        """Liveness probe (no key needed): the process answers; the database is not consulted."""
         return {"status": "ok"}
 
-    @app.post("/v1/sessions", status_code=201, response_model=SessionOut, tags=["sessions"])
+    @app.get(
+        "/readyz",
+        tags=["meta"],
+        responses={
+            200: {"description": "Ready.", "model": ReadyOut},
+            503: {"description": "The ledger's database cannot be reached.", "model": ReadyOut},
+        },
+    )
+    def readyz() -> JSONResponse:
+        """Readiness probe (no key needed): one round trip to the ledger's database (at most 2 s)."""
+        try:
+            ping = getattr(led.store, "ping", None)
+            if ping is not None:
+                ping()
+        except StoreUnavailable as exc:
+            logger.warning("readiness: %s", exc)
+            return JSONResponse({"status": "unavailable", "error": "database_unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.post(
+        "/v1/sessions",
+        status_code=201,
+        response_model=SessionOut,
+        tags=["sessions"],
+        responses=error_responses(400, 401, 403, 409, 413, 422, 429, 503),
+    )
     @bounded
-    def create_session(body: SessionIn, tenant: Tenant) -> SessionOut:
-        """Open a session with a total (epsilon, delta) budget; its releases are charged to it."""
+    def create_session(body: SessionIn, who: Releaser) -> SessionOut:
+        """Open a session with a total (epsilon, delta) budget; its releases are charged to it.
+
+        Counted against the tenant's caps, when it has some (409 ``tenant_limit_exceeded``).
+        """
         session_id = body.session_id or secrets.token_urlsafe(12)
-        p = principal(tenant, session_id)
-        led.open(p, Budget(body.epsilon, body.delta), accountant=body.accountant)
+        p = principal(who.tenant, session_id)
+        led.open(p, Budget(body.epsilon, body.delta), accountant=body.accountant, tenant=who.tenant)
         return session_out(p, session_id)
 
-    @app.get("/v1/sessions", tags=["sessions"])
-    def list_sessions(tenant: Tenant) -> list[str]:
+    @app.get("/v1/sessions", tags=["sessions"], responses=error_responses(401, 429, 503))
+    def list_sessions(who: Who) -> list[str]:
         """The ids of this tenant's sessions."""
-        prefix = principal(tenant, "")
+        prefix = principal(who.tenant, "")
         return [p[len(prefix) :] for p in led.principals(prefix)]
 
-    @app.get("/v1/sessions/{session_id}", response_model=SessionOut, tags=["sessions"])
+    @app.get(
+        "/v1/sessions/{session_id}",
+        response_model=SessionOut,
+        tags=["sessions"],
+        responses=error_responses(401, 404, 422, 429, 503),
+    )
     @bounded
-    def get_session(session_id: SessionId, tenant: Tenant) -> SessionOut:
+    def get_session(session_id: SessionId, who: Who) -> SessionOut:
         """Budget, spent and remaining privacy of a session."""
-        return session_out(owned(tenant, session_id), session_id)
+        return session_out(owned(who.tenant, session_id), session_id)
 
-    @app.get("/v1/sessions/{session_id}/history", response_model=list[ChargeOut], tags=["sessions"])
-    def session_history(session_id: SessionId, tenant: Tenant) -> list[ChargeOut]:
-        """Every charge of a session, oldest first."""
-        p = owned(tenant, session_id)
-        return [
-            ChargeOut(
-                charge_id=c.charge_id,
-                event=c.event,
-                idempotency_key=c.idempotency_key,
-                created_at=c.created_at,
-                within_budget=c.within_budget,
-            )
-            for c in led.history(p)
-        ]
+    @app.get(
+        "/v1/sessions/{session_id}/history",
+        response_model=HistoryPage,
+        tags=["sessions"],
+        responses=error_responses(401, 404, 422, 429, 503),
+    )
+    def session_history(
+        session_id: SessionId,
+        who: Who,
+        limit: Annotated[int, Query(ge=1, le=HISTORY_MAX_LIMIT, description="Charges per page.")] = (
+            HISTORY_DEFAULT_LIMIT
+        ),
+        cursor: Annotated[
+            str | None, Query(pattern=CURSOR_PATTERN, description="next_cursor of the previous page.")
+        ] = None,
+    ) -> HistoryPage:
+        """A session's charges, oldest first, one page at a time (``next_cursor`` continues)."""
+        p = owned(who.tenant, session_id)
+        page = led.history_page(p, after=after_cursor(cursor), limit=limit + 1)  # one more: is there a next?
+        more = len(page) > limit
+        page = page[:limit]
+        return HistoryPage(
+            charges=[_charge_out(c) for c in page],
+            next_cursor=cursor_after(page[-1].charge_id) if more else None,
+        )
 
-    @app.post("/v1/sessions/{session_id}/release", response_model=ReleaseOut, tags=["releases"])
+    @app.get(
+        "/v1/audit/export",
+        tags=["audit"],
+        response_class=StreamingResponse,
+        responses={
+            200: {"content": {"application/x-ndjson": {"schema": AuditLine.model_json_schema()}}},
+            **error_responses(401, 403, 422, 429, 503),
+        },
+    )
+    def audit_export(
+        who: Admin,
+        cursor: Annotated[
+            str | None, Query(pattern=CURSOR_PATTERN, description="next_cursor of an earlier export.")
+        ] = None,
+    ) -> StreamingResponse:
+        """Every charge of this tenant's sessions with the key id that made it, as JSON lines, by id.
+
+        Streamed in pages (the work per page is bounded); a line ``{"next_cursor": ...}`` ends
+        the stream so that an interrupted export can continue where it stopped.
+        """
+        prefix = principal(who.tenant, "")
+        after = after_cursor(cursor)
+
+        def lines() -> Any:
+            last = after
+            while True:
+                page = led.export(prefix, after=last, limit=_EXPORT_PAGE)
+                for c in page:
+                    line = AuditLine(session_id=c.principal[len(prefix) :], **_charge_out(c).model_dump())
+                    yield line.model_dump_json() + "\n"
+                if len(page) < _EXPORT_PAGE:
+                    break
+                last = page[-1].charge_id
+            if page:
+                last = page[-1].charge_id
+            yield json.dumps({"next_cursor": cursor_after(last)}) + "\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.post(
+        "/v1/sessions/{session_id}/release",
+        response_model=ReleaseOut,
+        tags=["releases"],
+        responses=error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
+    )
     @bounded
-    def release(session_id: SessionId, body: ReleaseIn, tenant: Tenant) -> ReleaseOut:
+    def release(session_id: SessionId, body: ReleaseIn, who: Releaser) -> ReleaseOut:
         """Clip a vector to L2 norm ``sensitivity``, add calibrated Gaussian noise; charged first."""
-        p = owned(tenant, session_id)
+        p = owned(who.tenant, session_id)
         x = _vector(body.vector, body.vector_b64, "vector_b64")
         mech = _mechanism(body.epsilon, body.delta, body.sigma, body.sensitivity, noise)
-        receipt, out = _charge_then_release(led, p, mech, x, body.idempotency_key)
+        receipt, out = _charge_then_release(led, p, mech, x, body.idempotency_key, who.key_id)
         with no_cpu_limit():  # charged: the answer must not fail on the limit now
+            charged(who, receipt)
             budget, spent = led.budget(p), led.spent(p, as_of=receipt)
         return ReleaseOut(
             **_encode(out, "vector", b64=body.vector_b64 is not None),
@@ -281,9 +476,14 @@ def create_app(
             remaining=Privacy(epsilon=max(0.0, budget.epsilon - spent.epsilon), delta=budget.delta),
         )
 
-    @app.post("/v1/sessions/{session_id}/hidden-state", response_model=HiddenStateOut, tags=["releases"])
+    @app.post(
+        "/v1/sessions/{session_id}/hidden-state",
+        response_model=HiddenStateOut,
+        tags=["releases"],
+        responses=error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
+    )
     @bounded
-    def hidden_state(session_id: SessionId, body: HiddenStateIn, tenant: Tenant) -> HiddenStateOut:
+    def hidden_state(session_id: SessionId, body: HiddenStateIn, who: Releaser) -> HiddenStateOut:
         """Document 000's split mode, TRUSTED server: clip the state to ``clip_norm``, noise it, charge.
 
         The server sees the clean hidden state; with an honest-but-curious server use ``/lora-delta``.
@@ -294,14 +494,15 @@ def create_app(
         ``clip_norm``: a state against its absence); the response names it. An exhausted session
         is refused (409).
         """
-        p = owned(tenant, session_id)
+        p = owned(who.tenant, session_id)
         x = _vector(body.hidden_state, body.hidden_state_b64, "hidden_state_b64")
         sensitivity = _sensitivity(body.clip_norm, body.neighbouring)
         if body.neighbouring == "replace":
             x = _clip(x, body.clip_norm)  # clipped to C, noised for 2C (the mechanism's clip is a no-op)
         mech = _mechanism(body.epsilon, body.delta, body.sigma, sensitivity, noise)
-        receipt, out = _charge_then_release(led, p, mech, x, body.idempotency_key)
+        receipt, out = _charge_then_release(led, p, mech, x, body.idempotency_key, who.key_id)
         with no_cpu_limit():  # charged: the answer must not fail on the limit now
+            charged(who, receipt)
             epsilon_spent = led.spent(p, as_of=receipt).epsilon
         return HiddenStateOut(
             **_encode(out, "noised", b64=body.hidden_state_b64 is not None),
@@ -314,9 +515,14 @@ def create_app(
             charge_id=receipt.charge_id,
         )
 
-    @app.post("/v1/sessions/{session_id}/lora-delta", response_model=LoraDeltaOut, tags=["releases"])
+    @app.post(
+        "/v1/sessions/{session_id}/lora-delta",
+        response_model=LoraDeltaOut,
+        tags=["releases"],
+        responses=error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
+    )
     @bounded
-    def lora_delta(session_id: SessionId, body: LoraDeltaIn, tenant: Tenant) -> LoraDeltaOut:
+    def lora_delta(session_id: SessionId, body: LoraDeltaIn, who: Releaser) -> LoraDeltaOut:
         """Document 000's split mode, untrusted server: the LoRA delta of rows the CLIENT privatized.
 
         Each row of ``noised`` (or ``noised_b64``, row-major float32 with the adapter's hidden size)
@@ -333,7 +539,7 @@ def create_app(
         answered then). The charge records a claim, it does not make unnoised rows private. A delta
         that overflows (float64, or float32 for ``noised_b64``) is refused with 422, uncharged.
         """
-        p = owned(tenant, session_id)
+        p = owned(who.tenant, session_id)
         adapter = adapters.get(body.adapter)
         if adapter is None or lora_delta_of is None:
             raise HTTPException(422, f"adapter: no LoRA adapter named {body.adapter!r} on this server")
@@ -347,7 +553,7 @@ def create_app(
             b64 = body.noised_b64 is not None
             if not np.isfinite(out.astype(np.float32) if b64 else out).all():
                 raise HTTPException(422, "noised: the delta overflows (rows far too large); nothing charged")
-        receipt = led.charge(p, event, body.idempotency_key)
+        receipt = led.charge(p, event, body.idempotency_key, key_id=who.key_id)
         if receipt.replayed:
             raise HTTPException(
                 409,
@@ -355,6 +561,7 @@ def create_app(
                 "(the first response is the only one)",
             )
         with no_cpu_limit():  # charged: the answer must not fail on the limit now
+            charged(who, receipt)
             budget, spent = led.budget(p), led.spent(p, as_of=receipt)
         return LoraDeltaOut(
             **_encode(out, "delta", b64=b64),
@@ -369,7 +576,33 @@ def create_app(
             remaining=Privacy(epsilon=max(0.0, budget.epsilon - spent.epsilon), delta=budget.delta),
         )
 
-    _include_optional_routers(app)
+    if stats is not None:
+        deps = [Depends(needs("admin"))] if metrics == "keyed" else []
+        metric_errors = error_responses(401, 403, 429) if metrics == "keyed" else {}
+
+        @app.get(
+            "/metrics",
+            tags=["meta"],
+            dependencies=deps,
+            response_class=Response,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **metric_errors},
+        )
+        def prometheus_metrics() -> Response:
+            """Prometheus text format: charges, refusals, latency histograms, epsilon spent per tenant."""
+            body, content_type = stats.render()
+            return Response(body, media_type=content_type)
+
+    if text != "off":
+        keyed = [Depends(needs("release"))] if text == "keyed" else []
+        _include_optional_routers(app, keyed)
+    return app
+
+
+def create_text_app() -> FastAPI:
+    """The ``/text`` page and its routes alone, without the ledger or keys (deploy apart from it:
+    its perturbation runs in the browser, and submissions are not charged to any budget)."""
+    app = FastAPI(title="gaussdp text", version=_version())
+    _include_optional_routers(app, [])
     return app
 
 
@@ -455,9 +688,22 @@ def _server_lora_delta() -> Callable[..., Any]:
     return server_lora_delta
 
 
-def _charge_then_release(led: Ledger, p: str, mech: Any, x: np.ndarray, key: str | None) -> tuple[Any, Any]:
+def _charge_out(c: Any) -> ChargeOut:
+    return ChargeOut(
+        charge_id=c.charge_id,
+        event=c.event,
+        idempotency_key=c.idempotency_key,
+        created_at=c.created_at,
+        within_budget=c.within_budget,
+        key_id=c.key_id,
+    )
+
+
+def _charge_then_release(
+    led: Ledger, p: str, mech: Any, x: np.ndarray, key: str | None, key_id: str | None
+) -> tuple[Any, Any]:
     """The ledger's charge-before-release, keeping the receipt for the response."""
-    receipt = led.charge(p, mech.event, key)
+    receipt = led.charge(p, mech.event, key, key_id=key_id)
     if receipt.replayed:
         raise HTTPException(
             409,
@@ -501,13 +747,14 @@ def _encode(out: Any, name: str, *, b64: bool) -> dict[str, Any]:
     return {name: arr.astype(np.float64).tolist()}
 
 
-def _include_optional_routers(app: FastAPI) -> None:
+def _include_optional_routers(app: FastAPI, dependencies: list[Any]) -> None:
     """Routers other topics contribute, when their modules (and extras) are importable."""
     try:
         from gaussdp.text.web import router as text_router
     except ImportError:
         return
-    app.include_router(text_router)
+    errors = error_responses(401, 403, 429) if dependencies else {}
+    app.include_router(text_router, dependencies=dependencies, responses=errors)
 
 
 def _version() -> str:

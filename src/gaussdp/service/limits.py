@@ -8,11 +8,14 @@ the limit.
 from __future__ import annotations
 
 import json
+import math
+import threading
+import time
 from typing import Any
 
 from starlette.exceptions import HTTPException
 
-__all__ = ["BodySizeLimit", "BodyTooLarge"]
+__all__ = ["BodySizeLimit", "BodyTooLarge", "RateLimiter"]
 
 
 class BodyTooLarge(HTTPException):
@@ -84,3 +87,33 @@ async def _reply(send: Any, status: int, detail: str) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+class RateLimiter:
+    """A token bucket per API key, in this process: ``rate_per_s`` requests a second on average,
+    bursts of up to ``burst``. With several worker processes each keeps its own buckets, so a key
+    may reach ``workers`` times the rate in all (set the rate per worker accordingly)."""
+
+    def __init__(self, rate_per_s: float, burst: int | None = None) -> None:
+        if not rate_per_s > 0:
+            raise ValueError(f"rate_per_s must be > 0, got rate_per_s={rate_per_s!r}")
+        self.rate = float(rate_per_s)
+        self.burst = float(burst if burst is not None else max(1, math.ceil(rate_per_s)))
+        if not self.burst >= 1:
+            raise ValueError(f"burst must be >= 1, got burst={burst!r}")
+        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, at)
+        self._lock = threading.Lock()
+
+    def take(self, key: str) -> float:
+        """Spend one token of ``key``: 0.0 when allowed, else the seconds until one is available."""
+        now = time.monotonic()
+        with self._lock:
+            tokens, at = self._buckets.get(key, (self.burst, now))
+            tokens = min(self.burst, tokens + (now - at) * self.rate)
+            if tokens >= 1.0:
+                if len(self._buckets) > 100_000:  # bounded memory; a cleared bucket starts full
+                    self._buckets.clear()
+                self._buckets[key] = (tokens - 1.0, now)
+                return 0.0
+            self._buckets[key] = (tokens, now)
+            return (1.0 - tokens) / self.rate

@@ -9,11 +9,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from gaussdp._neighbouring import DEFAULT_HIDDEN_STATE_NEIGHBOURING, HiddenStateNeighbouring
 
 __all__ = [
+    "AuditLine",
     "BudgetIn",
+    "ErrorOut",
     "HiddenStateIn",
     "HiddenStateOut",
+    "HistoryPage",
+    "InvalidOut",
     "LoraDeltaIn",
     "LoraDeltaOut",
+    "ReadyOut",
     "ReleaseIn",
     "ReleaseOut",
     "SessionIn",
@@ -39,7 +44,33 @@ IdempotencyKey = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a number is a JSON number (true, "1" are refused, not coerced); unknown fields refused
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ErrorOut(BaseModel):
+    """The body of every error answer but invalid input: what went wrong, and a stable code."""
+
+    detail: str = Field(description="What went wrong, for people.")
+    error: str | None = Field(None, description="A stable code for programs (e.g. budget_exhausted).")
+
+
+class ReadyOut(BaseModel):
+    status: Literal["ok", "unavailable"]
+    error: str | None = None
+
+
+class ValidationIssue(BaseModel):
+    loc: list[str | int] = Field(description="Where: body/query/path, then field names and indices.")
+    msg: str
+    type: str
+
+
+class InvalidOut(BaseModel):
+    """422: the request's fields (a list of issues) or its values (a message and a code) are invalid."""
+
+    detail: str | list[ValidationIssue]
+    error: str | None = Field(None, description="e.g. work_limit_exceeded, InvalidParameter.")
 
 
 class BudgetIn(_Strict):
@@ -76,6 +107,22 @@ class ChargeOut(BaseModel):
     idempotency_key: str | None
     created_at: float
     within_budget: bool
+    key_id: str | None = Field(None, description="Id of the API key that made the charge (not secret).")
+
+
+class HistoryPage(BaseModel):
+    """One page of a session's charges, oldest first."""
+
+    charges: list[ChargeOut]
+    next_cursor: str | None = Field(
+        None, description="Pass as ?cursor= for the next page; null on the last page. Opaque."
+    )
+
+
+class AuditLine(ChargeOut):
+    """One line of ``/v1/audit/export`` (JSON lines): a charge of one of the tenant's sessions."""
+
+    session_id: str
 
 
 class _Noise(_Strict):

@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["ServerThread", "serve"]
+__all__ = ["ServerThread", "serve", "serve_factory"]
 
 
 def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
@@ -15,6 +15,33 @@ def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = 
     import uvicorn
 
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def serve_factory(
+    factory: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    workers: int = 1,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
+    log_level: str = "info",
+) -> None:
+    """Serve the app ``factory`` (``"module:function"``) builds, in ``workers`` processes, until
+    interrupted; with TLS when a certificate and key are given."""
+    import uvicorn
+
+    uvicorn.run(
+        factory,
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+    )
 
 
 class ServerThread:

@@ -1,0 +1,104 @@
+"""The service configured by environment variables (``gaussdp serve`` sets them from its options).
+
+=============================  ==============================================  ===================
+variable                       meaning                                         default
+=============================  ==============================================  ===================
+``GAUSSDP_DB``                 ledger URL (``sqlite:///...``, ``postgresql://``)  ``sqlite:///gaussdp-ledger.db``
+``GAUSSDP_CPU_LIMIT_S``        CPU seconds of numeric work per request          1.0
+``GAUSSDP_MAX_BODY_BYTES``     larger bodies get 413                            8388608
+``GAUSSDP_RATE_LIMIT_PER_S``   requests/s per API key and worker (429)          none
+``GAUSSDP_RATE_LIMIT_BURST``   token bucket size                                the rate, rounded up
+``GAUSSDP_TEXT``               ``keyed``, ``public`` or ``off``                 ``keyed``
+``GAUSSDP_METRICS``            ``keyed``, ``public`` or ``off``                 ``keyed``
+``GAUSSDP_NOISE``              ``secure`` or ``fast``                           ``secure``
+=============================  ==============================================  ===================
+
+``gaussdp serve`` also reads ``GAUSSDP_HOST``, ``GAUSSDP_PORT``, ``GAUSSDP_WORKERS``,
+``GAUSSDP_SSL_CERTFILE`` and ``GAUSSDP_SSL_KEYFILE``. A value that does not parse is refused at
+start-up with the variable's name (fail closed: never a silent default).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["ENV", "app_from_env", "settings_from_env"]
+
+ENV = {
+    "ledger_url": "GAUSSDP_DB",
+    "cpu_limit_s": "GAUSSDP_CPU_LIMIT_S",
+    "max_body_bytes": "GAUSSDP_MAX_BODY_BYTES",
+    "rate_limit_per_s": "GAUSSDP_RATE_LIMIT_PER_S",
+    "rate_limit_burst": "GAUSSDP_RATE_LIMIT_BURST",
+    "text": "GAUSSDP_TEXT",
+    "metrics": "GAUSSDP_METRICS",
+    "noise": "GAUSSDP_NOISE",
+}
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        if value not in allowed:
+            raise ValueError(f"one of {', '.join(allowed)}")
+        return value
+
+    return parse
+
+
+_PARSE: dict[str, Callable[[str], Any]] = {
+    "ledger_url": str,
+    "cpu_limit_s": float,
+    "max_body_bytes": int,
+    "rate_limit_per_s": float,
+    "rate_limit_burst": int,
+    "text": _choice("keyed", "public", "off"),
+    "metrics": _choice("keyed", "public", "off"),
+    "noise": _choice("secure", "fast"),
+}
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The :func:`~gaussdp.service.app.create_app` arguments the environment sets (others default)."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for name, var in ENV.items():
+        raw = env.get(var)
+        if raw is None or raw == "":
+            continue
+        try:
+            out[name] = _PARSE[name](raw)
+        except ValueError as exc:
+            raise ValueError(f"{var}={raw!r} is not valid ({exc})") from None
+    return out
+
+
+# ``gaussdp serve --model/--adapter``: NAME=PATH specs, one per line, loaded by each worker at start-up.
+MODELS_ENV = "GAUSSDP_MODELS"
+ADAPTERS_ENV = "GAUSSDP_ADAPTERS"
+
+
+def _named_paths(var: str, environ: Mapping[str, str]) -> list[str]:
+    return [line for line in environ.get(var, "").splitlines() if line.strip()]
+
+
+def app_from_env() -> Any:
+    """A service app configured by ``GAUSSDP_*`` (uvicorn factory of ``gaussdp serve``, per worker).
+
+    Models and LoRA adapters named in ``GAUSSDP_MODELS`` / ``GAUSSDP_ADAPTERS`` are read here, once
+    per worker, from local directories (``gaussdp serve`` checked them before listening).
+    """
+    from gaussdp.service.app import create_app
+
+    models: dict[str, Any] = {}
+    adapters: dict[str, Any] = {}
+    model_specs, adapter_specs = _named_paths(MODELS_ENV, os.environ), _named_paths(ADAPTERS_ENV, os.environ)
+    if model_specs or adapter_specs:
+        from gaussdp.service.loading import load_causal_lm, load_lora_adapter, parse_named_paths
+
+        models = {n: load_causal_lm(p) for n, p in parse_named_paths("--model", model_specs).items()}
+        adapters = {n: load_lora_adapter(p) for n, p in parse_named_paths("--adapter", adapter_specs).items()}
+    app = create_app(**settings_from_env(), lora_adapters=adapters or None)
+    app.state.models = models
+    return app
