@@ -35,12 +35,26 @@ def saved(tmp_path):
 
 
 def _serve(monkeypatch, args):  # type: ignore[no-untyped-def]
-    """Run ``gaussdp serve ARGS`` up to the point it would listen; return (result, app)."""
+    """Run ``gaussdp serve ARGS`` up to the point it would listen; return (result, app).
+
+    The app is the one each worker builds (``gaussdp.service.config:app_from_env``) from the
+    environment ``serve`` set up; the variables are restored afterwards.
+    """
     import gaussdp.service.server as server
+    from gaussdp.service import config
 
     started = {}
-    monkeypatch.setattr(server, "serve", lambda app, host, port: started.setdefault("app", app))
+
+    def fake_serve_factory(factory, **kwargs):  # type: ignore[no-untyped-def]
+        assert factory == "gaussdp.service.config:app_from_env"
+        started["app"] = config.app_from_env()
+
+    for var in (*config.ENV.values(), config.MODELS_ENV, config.ADAPTERS_ENV):
+        monkeypatch.delenv(var, raising=False)  # restored by monkeypatch after the test
+    monkeypatch.setattr(server, "serve_factory", fake_serve_factory)
     result = CliRunner().invoke(build_app(), ["serve", *args])
+    for var in (*config.ENV.values(), config.MODELS_ENV, config.ADAPTERS_ENV):
+        monkeypatch.delenv(var, raising=False)
     return result, started.get("app")
 
 
