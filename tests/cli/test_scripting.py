@@ -254,7 +254,7 @@ def test_inference_report_json(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "r.png"
     res = gaussdp(
-        "inference-report", "--epsilons", "1,100", "--clip-norms", "0.5", "--prompts", "2",
+        "inference-report", "--epsilons", "1,100", "--clip-norms", "0.5", "--n-prompts", "2",
         "--prompt-len", "6", "--out", str(png), "--json",
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
