@@ -78,11 +78,23 @@ def served_lm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedLM]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    args = ["serve", "--db", db, "--port", str(port), "--model", f"tiny={model_dir}", "--adapter", f"ad={adapter_dir}"]
+    args = [
+        "serve",
+        "--db",
+        db,
+        "--port",
+        str(port),
+        "--model",
+        f"tiny={model_dir}",
+        "--adapter",
+        f"ad={adapter_dir}",
+    ]
     import gaussdp
 
     # the gaussdp under test (a relative PYTHONPATH would not hold in the server's directory)
-    pythonpath = os.pathsep.join([str(Path(gaussdp.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
+    pythonpath = os.pathsep.join(
+        [str(Path(gaussdp.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+    )
     log = open(root / "serve.log", "wb")  # a file, not a pipe: nobody reads a pipe, and a full one blocks
     proc = subprocess.Popen(
         [sys.executable, "-c", "from gaussdp.cli import main; main()", *args],

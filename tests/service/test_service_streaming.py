@@ -19,7 +19,9 @@ pytestmark = pytest.mark.slow  # one server for the module (torch and transforme
 
 
 def _session(served, epsilon: float = 3.0) -> str:  # type: ignore[no-untyped-def]
-    r = httpx.post(served.url + "/v1/sessions", json={"epsilon": epsilon, "delta": 1e-5}, headers=served.headers)
+    r = httpx.post(
+        served.url + "/v1/sessions", json={"epsilon": epsilon, "delta": 1e-5}, headers=served.headers
+    )
     assert r.status_code == 201, r.text
     return str(r.json()["session_id"])
 
@@ -57,7 +59,9 @@ def test_stream_until_refusal_every_token_received_was_charged_once(served_lm) -
     assert m["spent"]["epsilon"] <= 3.0 and m["remaining"]["epsilon"] >= 0
     charges = _charges(served_lm, sid)
     assert len(charges) == len(tokens)  # one charge per token received, none for the refused one
-    assert [c["idempotency_key"] for c in charges] == [f"{start['stream_id']}/{i}" for i in range(len(tokens))]
+    assert [c["idempotency_key"] for c in charges] == [
+        f"{start['stream_id']}/{i}" for i in range(len(tokens))
+    ]
     assert [c["charge_id"] for c in charges] == [t["charge_id"] for t in tokens]
     assert charges[0]["event"]["count"] == 3  # the first token's charge covers the prompt's rows
     assert all(c["event"] == {"noise_multiplier": 8.0, "type": "gaussian"} for c in charges[1:])
@@ -122,7 +126,9 @@ def test_a_concurrent_stream_of_another_session_is_unaffected(served_lm) -> None
         assert r["end"]["type"] == "end" and r["end"]["finish_reason"] == "length", r["end"]
         assert len(r["tokens"]) == 30 == r["end"]["tokens_sent"]
         charges = _charges(served_lm, sid)
-        assert [c["idempotency_key"] for c in charges] == [f"{r['start']['stream_id']}/{i}" for i in range(30)]
+        assert [c["idempotency_key"] for c in charges] == [
+            f"{r['start']['stream_id']}/{i}" for i in range(30)
+        ]
 
 
 def test_post_generate_answers_the_tokens_so_far_on_exhaustion(served_lm) -> None:  # type: ignore[no-untyped-def]
@@ -162,7 +168,9 @@ def test_stream_refusals_name_the_problem_and_charge_nothing(served_lm) -> None:
             with pytest.raises(websockets.exceptions.ConnectionClosed):
                 ws.recv(timeout=10)
             assert ws.close_code == close, (body, ws.close_code)
-    with connect(f"{served_lm.ws_url}/v1/sessions/missing/generate", additional_headers=served_lm.headers) as ws:
+    with connect(
+        f"{served_lm.ws_url}/v1/sessions/missing/generate", additional_headers=served_lm.headers
+    ) as ws:
         ws.send(json.dumps(start))
         assert json.loads(ws.recv(timeout=30))["error"] == "not_found"
     assert _charges(served_lm, sid) == []

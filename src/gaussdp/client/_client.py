@@ -24,6 +24,7 @@ from gaussdp.client._types import (
     Session,
     Token,
 )
+from gaussdp.errors import UnsafeInput
 
 __all__ = ["GaussDPClient"]
 
@@ -33,6 +34,16 @@ _MAX_WAIT_S = 5.0  # longest pause between two attempts, whatever Retry-After sa
 def _new_key() -> str:
     """An idempotency key made once per logical call (and reused by its retries)."""
     return "c-" + secrets.token_urlsafe(18)
+
+
+def _finite(name: str, x: Any, dtype: Any) -> np.ndarray:
+    """``x`` as an array, refused here (nothing sent) when empty or holding NaN or Inf."""
+    arr = np.asarray(_numpy(x), dtype=dtype)
+    if arr.size == 0 or not np.isfinite(arr).all():
+        raise UnsafeInput(
+            f"{name} must be a non-empty array of finite numbers (NaN, Inf or empty); nothing sent"
+        )
+    return arr
 
 
 def _b64(x: Any) -> str:
@@ -49,7 +60,9 @@ def _numpy(x: Any) -> Any:
 
 
 def _noise(epsilon: float | None, delta: float | None, sigma: float | None) -> dict[str, float]:
-    return {k: float(v) for k, v in (("epsilon", epsilon), ("delta", delta), ("sigma", sigma)) if v is not None}
+    return {
+        k: float(v) for k, v in (("epsilon", epsilon), ("delta", delta), ("sigma", sigma)) if v is not None
+    }
 
 
 class GaussDPClient:
@@ -216,7 +229,7 @@ class GaussDPClient:
     ) -> Release:
         """Clip ``vector`` to L2 norm ``sensitivity`` and noise it (``epsilon`` and ``delta``, or
         ``sigma``), charged to the session first. Sent and answered as JSON numbers (float64)."""
-        x = np.asarray(_numpy(vector), dtype=np.float64).reshape(-1)
+        x = _finite("vector", vector, np.float64).reshape(-1)
         body = {
             "vector": x.tolist(),
             "sensitivity": float(sensitivity),
@@ -248,7 +261,7 @@ class GaussDPClient:
         """A TRUSTED server clips and noises ``hidden_state`` (``/hidden-state``; the service's
         defaults epsilon=1, delta=1e-5 unless ``sigma`` or both are given)."""
         body: dict[str, Any] = {
-            "hidden_state_b64": _b64(np.asarray(_numpy(hidden_state)).reshape(-1)),
+            "hidden_state_b64": _b64(_finite("hidden_state", hidden_state, np.float32).reshape(-1)),
             "clip_norm": float(clip_norm),
             "neighbouring": neighbouring,
             "idempotency_key": idempotency_key or _new_key(),
@@ -278,7 +291,7 @@ class GaussDPClient:
     ) -> LoraDelta:
         """The server's LoRA delta of rows this client already clipped and noised (``/lora-delta``);
         the session is charged what ``clip_norm``, ``sigma`` and ``neighbouring`` declare."""
-        rows = np.asarray(_numpy(noised), dtype=np.float32)
+        rows = _finite("noised", noised, np.float32)
         rows = rows.reshape(-1, rows.shape[-1])
         body = {
             "adapter": adapter,
@@ -422,7 +435,9 @@ class GaussDPClient:
         for attempt in range(1 + self.retries):  # only the connection is retried: nothing is charged yet
             try:
                 # entered by hand: the TokenStream owns the connection and closes it
-                ws = connect(url, additional_headers=headers, open_timeout=self.timeout, close_timeout=2).__enter__()
+                ws = connect(
+                    url, additional_headers=headers, open_timeout=self.timeout, close_timeout=2
+                ).__enter__()
                 break
             except (OSError, InvalidHandshake, TimeoutError) as exc:
                 if attempt == self.retries:
@@ -439,9 +454,22 @@ class GaussDPClient:
 
 
 def _generate_body(
-    model: str, prompt: str | None, prompt_ids: Sequence[int] | None, max_new_tokens: int, privacy: dict[str, Any]
+    model: str,
+    prompt: str | None,
+    prompt_ids: Sequence[int] | None,
+    max_new_tokens: int,
+    privacy: dict[str, Any],
 ) -> dict[str, Any]:
-    allowed = {"sigma", "noise_multiplier", "epsilon", "delta", "clip_norm", "layer", "neighbouring", "stop_at_eos"}
+    allowed = {
+        "sigma",
+        "noise_multiplier",
+        "epsilon",
+        "delta",
+        "clip_norm",
+        "layer",
+        "neighbouring",
+        "stop_at_eos",
+    }
     unknown = set(privacy) - allowed
     if unknown:
         raise TypeError(f"unexpected keyword arguments {sorted(unknown)}; allowed: {sorted(allowed)}")

@@ -89,7 +89,9 @@ def error_for(status: int, body: Any, *, retried: bool = False) -> ServiceError:
         detail, code = str(body), None
     if not isinstance(detail, str):  # FastAPI's validation errors: a list of issues
         detail = "; ".join(
-            f"{'.'.join(str(x) for x in d.get('loc', []))}: {d.get('msg', '')}" if isinstance(d, dict) else str(d)
+            f"{'.'.join(str(x) for x in d.get('loc', []))}: {d.get('msg', '')}"
+            if isinstance(d, dict)
+            else str(d)
             for d in detail
         )
     cls: type[ServiceError]
