@@ -74,9 +74,9 @@ import re
 import secrets
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Request, WebSocket
+from fastapi import APIRouter, HTTPException, Path, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -226,6 +226,11 @@ class _Generation:
             index=index, token_id=token_id, text=self.decode([token_id]), charge_id=receipt.charge_id
         )
 
+    @property
+    def last_receipt(self) -> Any:
+        """The receipt of the last token's charge (``None`` before the first)."""
+        return self._charges.receipt
+
     def decode(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else str(self.tokenizer.decode(ids))
 
@@ -372,9 +377,9 @@ def generation_router(
         responses=responses,
     )
     def generate(
-        session_id: str,
+        session_id: Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The session's id.")],
         body: GenerateIn,
-        who: releaser,  # type: ignore[valid-type]
+        who: releaser,
         request: Request,
     ) -> GenerateOut:
         """Generate with the hidden state at ``layer`` clipped and noised for every token; each token
@@ -386,8 +391,6 @@ def generation_router(
         (nothing charged). A retried ``idempotency_key`` is refused with 409 ``idempotency_key_used``.
         The WebSocket route of the same path streams the tokens (see :mod:`gaussdp.service.streaming`).
         """
-        if not _SESSION_ID.match(session_id):
-            raise HTTPException(422, f"session_id must match {SESSION_ID_PATTERN}")
         p = owned(who.tenant, session_id)
         begin()
         try:
@@ -410,6 +413,7 @@ def generation_router(
                     break
         finally:
             end()
+        figures = spent_remaining(p, gen.last_receipt)
         return GenerateOut(
             stream_id=gen.stream_id,
             model=body.model,
@@ -420,7 +424,8 @@ def generation_router(
             error=error,
             detail=detail,
             **gen.describe(),
-            **spent_remaining(p, gen._charges.receipt),
+            spent=figures["spent"],
+            remaining=figures["remaining"],
         )
 
     @router.websocket("/v1/sessions/{session_id}/generate")
