@@ -141,8 +141,11 @@ def test_post_generate_answers_the_tokens_so_far_on_exhaustion(served_lm) -> Non
     assert out["finish_reason"] == "budget_exhausted" and out["error"] == "budget_exhausted"
     assert 0 < len(out["tokens"]) == len(_charges(served_lm, sid)) < 256
     assert out["text"] and out["spent"]["epsilon"] <= 3.0
-    r = httpx.post(url, json=body, headers=served_lm.headers)  # nothing left for a first token
-    assert r.status_code == 409 and r.json()["error"] == "budget_exhausted"
+    assert out["layer"] == "transformer.h.1"  # the last block by default
+    r = httpx.post(
+        url, json={**body, "layer": 0}, headers=served_lm.headers
+    )  # nothing left for a first token
+    assert r.status_code == 409 and r.json()["error"] == "budget_exhausted", r.text
     assert len(_charges(served_lm, sid)) == len(out["tokens"])
     schema = httpx.get(served_lm.url + "/openapi.json").json()
     assert "post" in schema["paths"]["/v1/sessions/{session_id}/generate"]
@@ -159,6 +162,9 @@ def test_stream_refusals_name_the_problem_and_charge_nothing(served_lm) -> None:
         (served_lm.headers, {**start, "sigma": 1.0}, "invalid", 4422),  # two noise levels
         (served_lm.headers, {**start, "api_key": served_lm.key}, "invalid", 4422),  # two keys
         (served_lm.headers, {**start, "layer": "transformer.nope"}, "invalid", 4422),
+        # inside a block: the residual stream goes around it (the clean state would leak)
+        (served_lm.headers, {**start, "layer": "transformer.h.1.attn"}, "invalid", 4422),
+        (served_lm.headers, {**start, "layer": "lm_head"}, "invalid", 4422),
     ]
     for headers, body, code, close in cases:
         with connect(url, additional_headers=headers) as ws:

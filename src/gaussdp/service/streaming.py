@@ -206,6 +206,7 @@ class _Generation:
             )
         except (LookupError, TypeError, IndexError) as exc:
             raise InvalidParameter(f"layer: {exc}") from None
+        _check_block(model, self.privatizer.module, body.layer)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos = eos if body.stop_at_eos else None
         self._tokens = stream_generate(
@@ -244,6 +245,25 @@ class _Generation:
             "sensitivity": float(p.sensitivity),
             "noise_multiplier": float(p.noise_multiplier),
         }
+
+
+def _check_block(model: Any, module: Any, layer: Any) -> None:
+    """Refuse a layer that is not a whole transformer block.
+
+    The guarantee covers what the rest of the model computes from the hooked module's output
+    alone. A block's output is the whole residual stream; a module inside a block (an attention
+    projection, a norm) has the residual path around it, so noising it alone would release the
+    clean state through that path.
+    """
+    from gaussdp.inference import find_last_block
+
+    path, _ = find_last_block(model)
+    blocks = model.get_submodule(path.rsplit(".", 1)[0])
+    if not any(module is b for b in blocks):
+        raise InvalidParameter(
+            f"layer must be a transformer block (an index into {path.rsplit('.', 1)[0]}, or its path), "
+            f"got layer={layer!r}: a module inside a block has the residual stream around it"
+        )
 
 
 def _prompt_ids(body: GenerateIn, model: Any, tokenizer: Any) -> Any:
