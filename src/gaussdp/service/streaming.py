@@ -574,7 +574,7 @@ def generation_router(
                 scheme, _, credentials = header.partition(" ")
                 key = credentials.strip() if scheme.lower() == "bearer" else None
             try:
-                who = authenticate(key if isinstance(key, str) else None)
+                who = await run_in_threadpool(authenticate, key if isinstance(key, str) else None)
                 if not _SESSION_ID.match(session_id):
                     raise InvalidParameter(f"session_id must match {SESSION_ID_PATTERN}")
                 self.p = p = await run_in_threadpool(owned, who.tenant, session_id)
