@@ -105,8 +105,11 @@ def test_a_concurrent_stream_of_another_session_is_unaffected(served_lm) -> None
     sids = [_session(served_lm, epsilon=50.0) for _ in range(2)]
     results: dict[str, dict] = {}
 
+    multipliers = dict(zip(sids, (8.0, 16.0), strict=True))  # each stream its own noise level
+
     def stream(sid: str) -> None:
-        ws, start = _open(served_lm, sid, max_new_tokens=30, stop_at_eos=False)
+        nm = multipliers[sid]
+        ws, start = _open(served_lm, sid, max_new_tokens=30, stop_at_eos=False, noise_multiplier=nm)
         t0 = time.monotonic()
         tokens = []
         while (m := json.loads(ws.recv(timeout=30)))["type"] == "token":
@@ -129,6 +132,11 @@ def test_a_concurrent_stream_of_another_session_is_unaffected(served_lm) -> None
         assert [c["idempotency_key"] for c in charges] == [
             f"{r['start']['stream_id']}/{i}" for i in range(30)
         ]
+        # every forward pass of this stream was noised (and charged) by its own privatizer only
+        assert r["start"]["sigma"] == 2 * multipliers[sid]
+        first, rest = charges[0]["event"], charges[1:]
+        assert first["event"]["noise_multiplier"] == multipliers[sid]  # the prompt's rows
+        assert {c["event"]["noise_multiplier"] for c in rest} == {multipliers[sid]}
 
 
 def test_post_generate_answers_the_tokens_so_far_on_exhaustion(served_lm) -> None:  # type: ignore[no-untyped-def]
