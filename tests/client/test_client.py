@@ -123,7 +123,8 @@ def test_split_mode_through_the_service_matches_the_in_process_result(served_lm)
 def test_stream_generate_charges_exactly_the_tokens_consumed(served_lm) -> None:  # type: ignore[no-untyped-def]
     with GaussDPClient(served_lm.url, served_lm.key) as c:
         sid = c.create_session(epsilon=50.0, delta=1e-5).session_id
-        with c.stream_generate(sid, model="tiny", prompt="the", max_new_tokens=40, noise_multiplier=8.0) as s:
+        opts = {"model": "tiny", "prompt": "the", "noise_multiplier": 8.0, "stop_at_eos": False}
+        with c.stream_generate(sid, max_new_tokens=40, **opts) as s:
             got = [t for _, t in zip(range(5), s, strict=False)]  # stop after 5 of 40
         assert len(got) == 5 == len(s.tokens) and s.end is not None and s.end["finish_reason"] == "stopped"
         assert [ch.charge_id for ch in c.history(sid)] == [t.charge_id for t in got]
