@@ -90,3 +90,45 @@ def test_protocol_edges(app, service, monkeypatch) -> None:  # type: ignore[no-u
         with _stream(client, service, sid, START) as ws:
             assert ws.receive_json()["error"] == "rate_limited" and _closed_with(ws) == 4429
         assert charges() == 3
+
+
+class _DigitTokenizer:
+    """A stand-in tokenizer: ids are words, [EOS] is id 7."""
+
+    eos_token_id = 7
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+def test_a_generation_ends_after_the_end_of_sequence_token(app, service) -> None:  # type: ignore[no-untyped-def]
+    from fastapi.testclient import TestClient
+
+    model = app.state.models["tiny"]
+    with torch.no_grad():  # ln_f outputs the constant v whatever its (noised) input: argmax is id 7
+        v = torch.ones(16) / 4.0
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.copy_(v)
+        model.transformer.wte.weight[7] = 10 * v
+    app.state.tokenizers = {"tiny": _DigitTokenizer()}
+    with TestClient(app) as client:
+        h = service.headers(service.key_a)
+        sid = client.post("/v1/sessions", json={"epsilon": 50.0, "delta": 1e-5}, headers=h).json()[
+            "session_id"
+        ]
+        r = client.post(f"/v1/sessions/{sid}/generate", json=START, headers=h)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["finish_reason"] == "eos" and [t["token_id"] for t in out["tokens"]] == [7]
+        assert out["text"] == "7"
+        with _stream(client, service, sid, START) as ws:
+            msgs = [ws.receive_json() for _ in range(3)]
+            assert [m["type"] for m in msgs] == ["start", "token", "end"] and msgs[-1][
+                "finish_reason"
+            ] == "eos"
+        with _stream(client, service, sid, {**START, "max_new_tokens": 3, "stop_at_eos": False}) as ws:
+            msgs = [ws.receive_json() for _ in range(5)]
+            assert [m.get("token_id") for m in msgs[1:4]] == [7, 7, 7] and msgs[-1][
+                "finish_reason"
+            ] == "length"
+        assert len(client.get(f"/v1/sessions/{sid}/history", headers=h).json()["charges"]) == 5

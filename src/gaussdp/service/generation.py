@@ -27,15 +27,21 @@ __all__ = ["ChargePerToken", "Generation"]
 class ChargePerToken:
     """The ledger as the privatizer's hook sees it: each charge carries the current token's key."""
 
-    def __init__(self, ledger: Ledger, key_id: str, on_charged: Callable[[Any], None]) -> None:
+    def __init__(
+        self, ledger: Ledger, key_id: str, on_charged: Callable[[Any], None], cpu_limit_s: float
+    ) -> None:
         self._ledger = ledger
         self._key_id = key_id
         self._on_charged = on_charged
+        self._cpu_limit_s = cpu_limit_s
         self.key: str | None = None
         self.receipt: Any = None
 
     def charge(self, principal: str, event: Any) -> Any:
-        receipt = self._ledger.charge(principal, event, self.key, key_id=self._key_id)
+        # The service's per-request CPU limit bounds the ledger's numeric work of each charge (the
+        # forward pass around it is bounded by the caps on tokens, not by this limit).
+        with cpu_limit(self._cpu_limit_s):
+            receipt = self._ledger.charge(principal, event, self.key, key_id=self._key_id)
         if receipt.replayed:  # charged (and answered) by an earlier request: release nothing new
             raise IdempotencyKeyUsed(
                 f"idempotency key {self.key!r} was already charged and answered; the first answer "
@@ -63,7 +69,6 @@ class Generation:
         principal: str,
         charges: ChargePerToken,
         noise: str,
-        cpu_limit_s: float,
     ) -> None:
         from gaussdp._neighbouring import hidden_state_sensitivity
         from gaussdp.inference import HiddenStatePrivatizer, stream_generate
@@ -72,7 +77,6 @@ class Generation:
         self.tokenizer = tokenizer
         self._lock = lock
         self._charges = charges
-        self._cpu_limit_s = cpu_limit_s
         ids = _prompt_ids(body, model, tokenizer)
         self.prompt_tokens = int(ids.shape[1])
         sensitivity = hidden_state_sensitivity(body.clip_norm, body.neighbouring)
@@ -103,7 +107,7 @@ class Generation:
         """Compute, charge (key ``stream_id/index``) and return token ``index``; runs in a worker thread."""
         self._charges.key = f"{self.stream_id}/{index}"
         self._charges.receipt = None
-        with cpu_limit(self._cpu_limit_s), self._lock:
+        with self._lock:
             token = next(self._tokens)
         receipt = self._charges.receipt
         if receipt is None:  # the hook did not run: the token would leave unprivatized

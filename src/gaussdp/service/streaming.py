@@ -58,7 +58,8 @@ the stream's charges.
 
 Work per request is bounded: at most :data:`~gaussdp.service.models.MAX_NEW_TOKENS` tokens and
 :data:`~gaussdp.service.models.MAX_PROMPT_TOKENS` prompt tokens (and the model's context), one
-forward pass per token, each step's numeric work under the service's ``cpu_limit_s``, at most
+forward pass per token, the ledger's numeric work of each charge under the service's ``cpu_limit_s``
+(the forward passes are bounded by the token caps and the model's size, not by it), at most
 :data:`MAX_ACTIVE_GENERATIONS` generations at once per worker (past it: 429 / close 4429). Forward
 passes run in the thread pool, never on the event loop; passes of one model take turns (a lock per
 model: the privatizer's hook is on the shared module for the duration of one pass), so streams of
@@ -214,7 +215,7 @@ def generation_router(
         tokenizer = (getattr(app.state, "tokenizers", None) or {}).get(body.model)
         with guard:
             lock = model_locks.setdefault(body.model, threading.Lock())
-        charges = ChargePerToken(ledger, who.key_id, lambda r: on_charged(who, r))
+        charges = ChargePerToken(ledger, who.key_id, lambda r: on_charged(who, r), cpu_limit_s)
         return Generation(
             body,
             model=model,
@@ -223,7 +224,6 @@ def generation_router(
             principal=p,
             charges=charges,
             noise=noise,
-            cpu_limit_s=cpu_limit_s,
         )
 
     def spent_remaining(p: str, receipt: Any = None) -> dict[str, Privacy]:
