@@ -475,8 +475,13 @@ class CKKSLoRAPlan:
             out = acc
         return out
 
-    def delta(self, context: CKKSPublicContext, ciphertext: bytes) -> bytes:
-        """The encrypted ``scaling * B @ (A @ h)`` of every encrypted row (see :func:`ckks_lora_delta`)."""
+    def read_rows(self, context: CKKSPublicContext, ciphertext: bytes) -> list[Any]:
+        """Parse and check a :meth:`CKKSClient.encrypt` message for this adapter; no HE work yet.
+
+        Raises:
+            UnsafeInput: malformed or foreign ciphertexts, missing rotation keys, or a hidden size
+                other than the adapter's.
+        """
         s = _sealapi()
         missing = [k for k in self.steps if not context.has_rotation(k)]
         if missing:
@@ -487,26 +492,33 @@ class CKKSLoRAPlan:
         if d != self.d:
             raise UnsafeInput(f"ciphertext rows have {d} values; the adapter's hidden size is {self.d}")
         ctx = context.seal_context
-        top = ctx.first_parms_id()
-        cts = []
+        top = list(ctx.first_parms_id())
+        rows = []
         for i, part in enumerate(parts):
             ct = s.Ciphertext()
             try:
                 _load(ct, part, ctx)
             except (RuntimeError, ValueError) as exc:
                 raise UnsafeInput(f"ciphertext row {i} is not a ciphertext for this context: {exc}") from None
+            # A fresh ciphertext: two polynomials at the top level, at the encoding scale (anything
+            # else would break the rescale chain or the exact scale of the answer).
             if (
                 ct.size() != 2
-                or list(ct.parms_id()) != list(top)
+                or list(ct.parms_id()) != top
                 or not ct.is_ntt_form()
                 or ct.scale != 2.0**SCALE_BITS
             ):
                 raise UnsafeInput(f"ciphertext row {i}: not a fresh encryption by CKKSClient.encrypt")
-            cts.append(ct)
-        ev = s.Evaluator(ctx)
+            rows.append(ct)
+        return rows
+
+    def delta_rows(self, context: CKKSPublicContext, rows: list[Any]) -> bytes:
+        """The encrypted delta of rows checked by :meth:`read_rows`: a message for ``decrypt_delta``."""
+        s = _sealapi()
+        ev = s.Evaluator(context.seal_context)
         gk = context.galois_keys
         out = []
-        for ct in cts:
+        for ct in rows:
             z = self._bsgs(ev, gk, ct, self._diag_a, self.g_a)
             step = self.r_pad
             while step < SLOTS:  # sum over the ring: u[j mod r] in every slot j
@@ -517,6 +529,10 @@ class CKKSLoRAPlan:
             v = self._bsgs(ev, gk, z, self._diag_b, self.g_b)
             out.append(_save(v))
         return _frame(_CT_MAGIC, (self.d_out,), out)
+
+    def delta(self, context: CKKSPublicContext, ciphertext: bytes) -> bytes:
+        """The encrypted ``scaling * B @ (A @ h)`` of every encrypted row (see :func:`ckks_lora_delta`)."""
+        return self.delta_rows(context, self.read_rows(context, ciphertext))
 
 
 def ckks_lora_delta(

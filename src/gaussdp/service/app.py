@@ -25,6 +25,7 @@ privacy the client declares it spent (the server cannot verify that noise).
 import base64
 import binascii
 import functools
+import importlib.util
 import json
 import logging
 import math
@@ -154,6 +155,7 @@ def create_app(
     tenants = KeyCache(led)
     adapters = _lora_adapters(lora_adapters)
     lora_delta_of = _server_lora_delta() if adapters else None
+    ckks = bool(adapters) and importlib.util.find_spec("tenseal") is not None  # the `he` extra
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -168,7 +170,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.ledger = led
-    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes, path_limits=_ckks_body_limits(ckks))
 
     def refused(reason: str) -> None:
         if stats is not None:
@@ -576,6 +578,22 @@ def create_app(
             remaining=Privacy(epsilon=max(0.0, budget.epsilon - spent.epsilon), delta=budget.delta),
         )
 
+    if ckks:  # CKKS split mode (gaussdp.service.ckks): the same adapters, charge path and key check
+        from gaussdp.service.ckks import ckks_router
+
+        app.include_router(
+            ckks_router(
+                adapters=adapters,
+                ledger=led,
+                releaser=needs("release"),
+                owned=owned,
+                charged=charged,
+                sensitivity_of=_sensitivity,
+                row_event=_row_event,
+                bounded=bounded,
+            )
+        )
+
     if stats is not None:
         deps = [Depends(needs("admin"))] if metrics == "keyed" else []
         metric_errors = error_responses(401, 403, 429) if metrics == "keyed" else {}
@@ -604,6 +622,15 @@ def create_text_app() -> FastAPI:
     app = FastAPI(title="gaussdp text", version=_version())
     _include_optional_routers(app, [])
     return app
+
+
+def _ckks_body_limits(ckks: bool) -> dict[str, int]:
+    """The CKKS routes' own body limits (rotation keys weigh several MB), when they are served."""
+    if not ckks:
+        return {}
+    from gaussdp.service.ckks import BODY_LIMITS
+
+    return dict(BODY_LIMITS)
 
 
 def _sensitivity(clip_norm: float, neighbouring: str) -> float:

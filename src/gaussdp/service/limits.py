@@ -2,15 +2,19 @@
 
 A declared ``Content-Length`` over the limit is answered 413 before a byte of the body is read; a
 body without one (chunked) is counted as it streams in and cut off with 413 as soon as it passes
-the limit.
+the limit. ``path_limits`` gives some routes their own limit (regular expressions matched against the
+whole path, first match wins), e.g. the upload of a CKKS public context, whose rotation keys weigh
+several megabytes.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -28,15 +32,17 @@ class BodyTooLarge(HTTPException):
 
 
 class BodySizeLimit:
-    def __init__(self, app: Any, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, max_body_bytes: int, path_limits: Mapping[str, int] | None = None) -> None:
         self.app = app
         self.max_body_bytes = int(max_body_bytes)
+        self.path_limits = [(re.compile(rx), int(n)) for rx, n in (path_limits or {}).items()]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.max_body_bytes
+        path = scope.get("path", "")
+        limit = next((n for rx, n in self.path_limits if rx.fullmatch(path)), self.max_body_bytes)
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
