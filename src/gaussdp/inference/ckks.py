@@ -19,8 +19,8 @@ protect against a server that returns a wrong answer.
 **Keys.** :meth:`CKKSClient.public_context` serializes the encryption parameters and the Galois
 (rotation) keys only: no secret key (it stays in the client's process) and no public or
 relinearization key (the server never encrypts, and never multiplies two ciphertexts). The keys are
-serialized seeded (half their size) and compressed: 12 power-of-two rotation keys take about 8.4 MB;
-``CKKSClient(rank=r)`` makes only the 9 that an adapter of rank ``r`` needs (about 6.3 MB at r=32).
+serialized seeded (half their size) and compressed: 12 power-of-two rotation keys take about 8.7 MB;
+``CKKSClient(rank=r)`` makes only the 9 that an adapter of rank ``r`` needs (about 6.6 MB at r=32).
 
 **Packing** (one ciphertext of 4096 slots per row). The client encrypts the row ``h`` (zero-padded to
 a period ``P``, a multiple of 256) repeated cyclically over all slots. The server computes ``u = A h``
@@ -72,18 +72,20 @@ __all__ = [
 ]
 
 # One parameter set, fixed for client and server: a server never runs a computation whose cost a
-# client chose. 60 + 40 + 40 + 60 = 200 bits <= 218, the HE standard's bound for n = 8192 at
+# client chose. 60 + 45 + 45 + 60 = 210 bits <= 218, the HE standard's bound for n = 8192 at
 # 128-bit classical security (Albrecht et al. 2018, Table 1); SEAL checks it again (TC128).
-# The 60-bit first prime holds the result (values up to about 2^19 at scale 2^40), the two 40-bit
-# primes are dropped by the two rescales, the last 60-bit prime is the key-switching special prime.
+# The 60-bit first prime holds the result: values up to 2^14 = 16384 in magnitude at scale 2^45
+# (larger ones wrap around). The two 45-bit primes are dropped by the two rescales; the last 60-bit
+# prime is the key-switching special prime. Scale 2^45 rather than 2^40: the ring sum adds the
+# noise of slots/r slots into each result, and 2^40 left errors near 1e-4 relative at rank 1.
 POLY_MODULUS_DEGREE = 8192
-COEFF_MOD_BIT_SIZES = (60, 40, 40, 60)
-SCALE_BITS = 40
+COEFF_MOD_BIT_SIZES = (60, 45, 45, 60)
+SCALE_BITS = 45
 SLOTS = POLY_MODULUS_DEGREE // 2
 _BLOCK = 256  # the client's period P is a multiple of this; ranks (padded) must divide it
 MAX_RANK = _BLOCK
 MAX_HIDDEN = SLOTS - _BLOCK  # P + r_pad <= SLOTS for the shifted reads of the first product
-MAX_ROWS = 64  # ciphertexts in one message (each about 170 kB in, 110 kB out)
+MAX_ROWS = 64  # ciphertexts in one message (each about 177 kB in, 131 kB out)
 
 _CTX_MAGIC = b"GDPCKKSCTX1\n"
 _CT_MAGIC = b"GDPCKKSCT1\n"

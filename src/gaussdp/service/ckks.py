@@ -6,7 +6,7 @@ Document 000's split mode with an honest-but-curious server, encrypted (:mod:`ga
    :meth:`~gaussdp.inference.ckks.CKKSClient.public_context`, ``application/octet-stream``): the
    client's CKKS parameters and rotation keys, WITHOUT its secret key. Answered 201 with a
    ``context_id`` (the SHA-256 of the bytes) and the adapters those keys can serve. This route has
-   its own body limit, :data:`MAX_CONTEXT_BYTES` (16 MiB; the rotation keys weigh 6 to 8.4 MB), in
+   its own body limit, :data:`MAX_CONTEXT_BYTES` (16 MiB; the rotation keys weigh 6.6 to 8.7 MB), in
    place of the service's ``max_body_bytes``. Kept in this worker's memory: one context per session (a new
    upload replaces it), at most :data:`MAX_CONTEXTS` in all (least recently used evicted). A
    context that is not (or no longer) here is answered 404 ``ckks_context_unknown``: upload it again
@@ -14,7 +14,7 @@ Document 000's split mode with an honest-but-curious server, encrypted (:mod:`ga
 2. ``POST /v1/sessions/{id}/ckks-lora-delta`` (JSON: ``context_id``, ``adapter``, ``ciphertext_b64``
    (base64 of :meth:`~gaussdp.inference.ckks.CKKSClient.encrypt`), ``rows``, and the privacy the
    client declares it spent: ``sigma``, ``clip_norm``, ``neighbouring``, as for ``/lora-delta``);
-   its body limit is :data:`MAX_DELTA_BYTES` (about 1.1 MB: 4 rows of about 216 kB in base64).
+   its body limit is :data:`MAX_DELTA_BYTES` (about 1.1 MB: 4 rows of about 236 kB in base64).
    The ciphertexts are parsed and checked, then the session is charged one
    ``GaussianEvent(noise_multiplier=sigma / sensitivity)`` per row, atomically, BEFORE any
    homomorphic work (an exhausted session is refused 409 and costs no computation), then the delta
@@ -78,7 +78,7 @@ MAX_CONTEXTS = 8  # loaded contexts per worker, about 18 MB each in memory (rota
 MAX_ROWS = 4
 CONTEXT_PATH_PATTERN = r"/v1/sessions/[^/]+/ckks-context"
 DELTA_PATH_PATTERN = r"/v1/sessions/[^/]+/ckks-lora-delta"
-_MAX_ROW_BYTES = 200_000  # one seeded ciphertext is about 162 kB
+_MAX_ROW_BYTES = 200_000  # one seeded ciphertext is about 177 kB
 _CIPHERTEXT_B64_MAX = (MAX_ROWS * _MAX_ROW_BYTES * 4) // 3 + 4
 MAX_DELTA_BYTES = _CIPHERTEXT_B64_MAX + 16 * 1024  # the JSON body of ckks-lora-delta
 BODY_LIMITS = {CONTEXT_PATH_PATTERN: MAX_CONTEXT_BYTES, DELTA_PATH_PATTERN: MAX_DELTA_BYTES}
