@@ -81,7 +81,7 @@ from gaussdp.service.models import (
     SessionIn,
     SessionOut,
 )
-from gaussdp.service.responses import CURSOR_PATTERN, after_cursor, cursor_after
+from gaussdp.service.responses import CURSOR_PATTERN, IdempotencyKeyUsed, after_cursor, cursor_after
 from gaussdp.service.responses import responses as error_responses
 
 __all__ = [
@@ -266,6 +266,11 @@ def create_app(
     async def _exhausted(request: Request, exc: BudgetExhausted) -> JSONResponse:
         refused("budget_exhausted")
         return JSONResponse({"detail": str(exc), "error": "budget_exhausted"}, status_code=409)
+
+    @app.exception_handler(IdempotencyKeyUsed)
+    async def _replayed(request: Request, exc: IdempotencyKeyUsed) -> JSONResponse:
+        refused("idempotency_key_used")
+        return JSONResponse({"detail": str(exc), "error": "idempotency_key_used"}, status_code=409)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -557,8 +562,7 @@ def create_app(
                 raise HTTPException(422, "noised: the delta overflows (rows far too large); nothing charged")
         receipt = led.charge(p, event, body.idempotency_key, key_id=who.key_id)
         if receipt.replayed:
-            raise HTTPException(
-                409,
+            raise IdempotencyKeyUsed(
                 f"idempotency_key={body.idempotency_key!r} was already charged and answered "
                 "(the first response is the only one)",
             )
@@ -593,6 +597,26 @@ def create_app(
                 bounded=bounded,
             )
         )
+
+    def ws_caller(key: str | None) -> Caller:  # the WebSocket route's key: same checks as a header
+        creds = None if key is None else HTTPAuthorizationCredentials(scheme="Bearer", credentials=key)
+        return needs("release")(caller_of(creds))
+
+    from gaussdp.service.streaming import generation_router
+
+    app.include_router(
+        generation_router(
+            ledger=led,
+            releaser=Releaser,
+            authenticate=ws_caller,
+            owned=owned,
+            noise=noise,
+            cpu_limit_s=cpu_limit_s,
+            on_charged=charged,
+            on_refused=refused,
+            responses=error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
+        )
+    )
 
     if stats is not None:
         deps = [Depends(needs("admin"))] if metrics == "keyed" else []
@@ -732,8 +756,7 @@ def _charge_then_release(
     """The ledger's charge-before-release, keeping the receipt for the response."""
     receipt = led.charge(p, mech.event, key, key_id=key_id)
     if receipt.replayed:
-        raise HTTPException(
-            409,
+        raise IdempotencyKeyUsed(
             f"idempotency_key={key!r} was already charged and released; a second noisy value would not "
             "be covered by that charge (the first response is the only one)",
         )

@@ -87,18 +87,28 @@ def app_from_env() -> Any:
     """A service app configured by ``GAUSSDP_*`` (uvicorn factory of ``gaussdp serve``, per worker).
 
     Models and LoRA adapters named in ``GAUSSDP_MODELS`` / ``GAUSSDP_ADAPTERS`` are read here, once
-    per worker, from local directories (``gaussdp serve`` checked them before listening).
+    per worker, from local directories (``gaussdp serve`` checked them before listening), with the
+    tokenizer saved next to each model when there is one (``/generate`` then takes text prompts).
     """
     from gaussdp.service.app import create_app
 
     models: dict[str, Any] = {}
+    tokenizers: dict[str, Any] = {}
     adapters: dict[str, Any] = {}
     model_specs, adapter_specs = _named_paths(MODELS_ENV, os.environ), _named_paths(ADAPTERS_ENV, os.environ)
     if model_specs or adapter_specs:
-        from gaussdp.service.loading import load_causal_lm, load_lora_adapter, parse_named_paths
+        from gaussdp.service.loading import (
+            load_causal_lm,
+            load_lora_adapter,
+            load_tokenizer,
+            parse_named_paths,
+        )
 
-        models = {n: load_causal_lm(p) for n, p in parse_named_paths("--model", model_specs).items()}
+        model_paths = parse_named_paths("--model", model_specs)
+        models = {n: load_causal_lm(p) for n, p in model_paths.items()}
+        tokenizers = {n: t for n, p in model_paths.items() if (t := load_tokenizer(p)) is not None}
         adapters = {n: load_lora_adapter(p) for n, p in parse_named_paths("--adapter", adapter_specs).items()}
     app = create_app(**settings_from_env(), lora_adapters=adapters or None)
     app.state.models = models
+    app.state.tokenizers = tokenizers  # served generation takes text prompts for these models
     return app
