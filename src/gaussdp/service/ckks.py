@@ -57,6 +57,7 @@ from gaussdp.service.models import (
     Privacy,
     _Strict,
 )
+from gaussdp.service.responses import IdempotencyKeyUsed
 from gaussdp.service.responses import responses as error_responses
 
 __all__ = [
@@ -255,8 +256,7 @@ def ckks_router(
         event = row_event(body.sigma / sensitivity, body.rows)
         receipt = ledger.charge(p, event, body.idempotency_key, key_id=who.key_id)
         if receipt.replayed:
-            raise HTTPException(
-                409,
+            raise IdempotencyKeyUsed(
                 f"idempotency_key={body.idempotency_key!r} was already charged and answered "
                 "(the first response is the only one)",
             )
