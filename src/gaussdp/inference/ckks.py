@@ -32,7 +32,11 @@ partial sums), then sums ``z`` over the whole ring with steps ``r, 2r, ..., slot
 delta ``v = scaling * B u`` is then the diagonal method for a tall ``d_out x r`` matrix, again
 baby-step/giant-step, with no final sum. Two plaintext multiplications (depth 2), each followed by a
 rescale whose prime is the encoding scale of the matrix, so the result has exactly the input's
-scale. At d=1536, r=32: 3 rotations at the top level, 17 one level down, 3 two levels down.
+scale. At d=1536, r=32 (g=4 in both products): 3 rotations at the top level, 17 one level down
+(7 giant steps, 7 for the ring sum, 3 baby steps), 7 two levels down; 64 plaintext products.
+Measured (``benchmarks/bench_inference.py``, shared 2-core CPU): about 0.15 s per token from
+encryption to decryption (0.06 s of server CPU), against 2.3 s for :class:`CKKSLoRABackend`;
+relative error about 1e-8 against the plaintext delta.
 
 References:
     Halevi and Shoup, "Algorithms in HElib", CRYPTO 2014, Section 4.3 (diagonal method) and Section

@@ -17,7 +17,9 @@ Split mode (document 000) has two endpoints. ``/hidden-state`` is for a TRUSTED 
 the clean hidden state, clips and noises it itself. ``/lora-delta`` is for an honest-but-curious
 server: the client clips and noises (:func:`gaussdp.inference.client_forward`), the server only
 computes the LoRA delta of the noised rows with an adapter it holds, and charges the session the
-privacy the client declares it spent (the server cannot verify that noise).
+privacy the client declares it spent (the server cannot verify that noise). With the ``he`` extra
+the same adapters are also served encrypted, ``/ckks-context`` and ``/ckks-lora-delta``
+(:mod:`gaussdp.service.ckks`): the server computes the delta on CKKS ciphertext it cannot decrypt.
 """
 
 # No "from __future__ import annotations": FastAPI resolves the local Annotated aliases at runtime.
