@@ -121,7 +121,7 @@ def test_public_context_has_no_secret_key_and_the_server_cannot_decrypt(client) 
         _, parts = ckks._unframe("public context", ckks._CTX_MAGIC, 0, pub, 2)
         for part in parts:
             try:
-                ckks._load(s.SecretKey(), part, server.seal_context)
+                ckks._load(s.SecretKey(), part, server.seal_context, max_bytes=1 << 30)
             except Exception:
                 pass
             else:
@@ -130,7 +130,7 @@ def test_public_context_has_no_secret_key_and_the_server_cannot_decrypt(client) 
         keys = s.KeyGenerator(server.seal_context)
         row = s.Ciphertext()
         _, rows = ckks._unframe("ciphertext", ckks._CT_MAGIC, 1, ct, 64)
-        ckks._load(row, rows[0], server.seal_context)
+        ckks._load(row, rows[0], server.seal_context, max_bytes=1 << 20)
         pt = s.Plaintext()
         s.Decryptor(server.seal_context, keys.secret_key()).decrypt(row, pt)
         guess = np.asarray(s.CKKSEncoder(server.seal_context).decode_double(pt)[:256])
@@ -238,3 +238,27 @@ def test_a_ciphertext_at_another_scale_or_level_is_refused(client, public) -> No
     s.Evaluator(ctx).mod_switch_to_next_inplace(ct)  # one level down: the rescale chain breaks
     with pytest.raises(UnsafeInput, match="not a fresh encryption"):
         plan.delta(public, ckks._frame(ckks._CT_MAGIC, (64,), [ckks._save(ct)]))
+
+
+def test_a_decompression_bomb_is_refused_before_seal_inflates_it(client) -> None:  # type: ignore[no-untyped-def]
+    """A few hundred bytes of zstd RLE blocks would inflate to 200 MB of "rotation keys"."""
+    import struct
+
+    from gaussdp.inference import ckks
+
+    blocks = b"".join(
+        int(((2**21 - 1) << 3) | (1 << 1) | (i == 99)).to_bytes(3, "little") + b"\x00" for i in range(100)
+    )
+    frame = struct.pack("<I", 0xFD2FB528) + bytes([0b0010_0000, 0]) + blocks  # single segment, RLE blocks
+    bomb = struct.pack("<HBBBBHQ", 0xA15E, 16, 4, 1, 2, 0, 16 + len(frame)) + frame
+    assert len(bomb) < 1000
+    _, parts = ckks._unframe("public context", ckks._CTX_MAGIC, 0, client.public_context(), 2)
+    forged = ckks._frame(ckks._CTX_MAGIC, (), [parts[0], bomb])
+    with pytest.raises(UnsafeInput, match="would decompress to up to"):
+        CKKSPublicContext(forged)
+    # the bound of the real keys is close to their real size (zstd blocks of 128 KiB)
+    assert ckks._inflated_bound("keys", parts[1]) < ckks._MAX_KEYS_BYTES
+    zlib_like = bytearray(parts[1])
+    zlib_like[5] = 1  # compression mode zlib: no block sizes to bound it, refused
+    with pytest.raises(UnsafeInput, match="compression mode 1"):
+        CKKSPublicContext(ckks._frame(ckks._CTX_MAGIC, (), [parts[0], bytes(zlib_like)]))

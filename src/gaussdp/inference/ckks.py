@@ -141,7 +141,77 @@ def _save(obj: Any) -> bytes:
         os.unlink(path)
 
 
-def _load(obj: Any, data: bytes, ctx: Any = None) -> None:
+_SEAL_MAGIC = 0xA15E
+_ZSTD_MAGIC = 0xFD2FB528
+_ZSTD_BLOCK_MAX = 128 * 1024  # a compressed zstd block regenerates at most this many bytes
+# Largest decompressed SEAL object accepted: the rotation keys (24 seeded keys: about 19 MB), a
+# ciphertext (fresh and unseeded: 2 x 3 x 8192 x 8 = 393 kB), the parameters (under 1 kB).
+_MAX_KEYS_BYTES = 32 << 20
+_MAX_CIPHERTEXT_BYTES = 512 << 10
+_MAX_PARMS_BYTES = 256 << 10  # one compressed zstd block may count 128 KiB
+
+
+def _inflated_bound(name: str, data: bytes) -> int:
+    """An upper bound on the bytes SEAL will decompress from ``data``, read from the headers only.
+
+    SEAL compresses with zstd, and a small message could otherwise inflate to gigabytes (many
+    rotation keys of zeros) before any check of SEAL's runs. Every zstd block says its type and
+    size: a raw or RLE block regenerates exactly its size, a compressed block at most 128 KiB
+    (RFC 8878, Section 3.1.1.2), so the sum bounds the output without decompressing anything.
+    """
+    try:
+        magic, header_size, _, _, compr_mode, _, size = struct.unpack_from("<HBBBBHQ", data, 0)
+        if magic != _SEAL_MAGIC or header_size != 16 or size != len(data):
+            raise UnsafeInput(f"{name}: not a SEAL object")
+        if compr_mode == 0:  # none
+            return len(data)
+        if compr_mode != 2:  # zlib streams carry no block sizes: refused
+            raise UnsafeInput(f"{name}: SEAL compression mode {compr_mode}; only none or zstd are accepted")
+        total, pos = 0, 16
+        while pos < len(data):
+            (frame_magic,) = struct.unpack_from("<I", data, pos)
+            pos += 4
+            if frame_magic & 0xFFFFFFF0 == 0x184D2A50:  # skippable frame
+                (skip,) = struct.unpack_from("<I", data, pos)
+                pos += 4 + skip
+                continue
+            if frame_magic != _ZSTD_MAGIC:
+                raise UnsafeInput(f"{name}: not a zstd frame")
+            descriptor = data[pos]
+            pos += 1
+            single_segment = (descriptor >> 5) & 1
+            pos += (0 if single_segment else 1) + (0, 1, 2, 4)[descriptor & 3]
+            pos += (single_segment, 2, 4, 8)[descriptor >> 6]
+            while True:
+                head = int.from_bytes(data[pos : pos + 3], "little")
+                if pos + 3 > len(data):
+                    raise UnsafeInput(f"{name}: truncated")
+                pos += 3
+                block_type, block_size = (head >> 1) & 3, head >> 3
+                if block_type == 0:  # raw
+                    total, pos = total + block_size, pos + block_size
+                elif block_type == 1:  # RLE: one byte repeated block_size times
+                    total, pos = total + block_size, pos + 1
+                elif block_type == 2:
+                    total, pos = total + _ZSTD_BLOCK_MAX, pos + block_size
+                else:
+                    raise UnsafeInput(f"{name}: invalid zstd block")
+                if head & 1:
+                    break
+            if (descriptor >> 2) & 1:
+                pos += 4  # content checksum
+        if pos != len(data):
+            raise UnsafeInput(f"{name}: truncated")
+        return total
+    except (struct.error, IndexError):
+        raise UnsafeInput(f"{name}: truncated") from None
+
+
+def _load(obj: Any, data: bytes, ctx: Any = None, *, name: str = "SEAL object", max_bytes: int) -> None:
+    """Load ``data`` into ``obj`` after bounding what it decompresses to (see :func:`_inflated_bound`)."""
+    bound = _inflated_bound(name, data)
+    if bound > max_bytes:
+        raise UnsafeInput(f"{name}: would decompress to up to {bound} bytes, more than {max_bytes}")
     fd, path = tempfile.mkstemp(dir=_tmpdir(), prefix="gaussdp-ckks-")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -325,7 +395,7 @@ class CKKSClient:
         for i, part in enumerate(parts):
             ct = s.Ciphertext()
             try:
-                _load(ct, part, self._ctx)
+                _load(ct, part, self._ctx, name=f"ciphertext row {i}", max_bytes=_MAX_CIPHERTEXT_BYTES)
             except (RuntimeError, ValueError) as exc:
                 raise UnsafeInput(f"ciphertext row {i} is not a ciphertext for these keys: {exc}") from None
             pt = s.Plaintext()
@@ -354,7 +424,7 @@ class CKKSPublicContext:
             raise UnsafeInput("public context: expected parameters and rotation keys")
         parms = s.EncryptionParameters(s.SCHEME_TYPE.CKKS)
         try:
-            _load(parms, parts[0])
+            _load(parms, parts[0], name="public context parameters", max_bytes=_MAX_PARMS_BYTES)
         except (RuntimeError, ValueError) as exc:
             raise UnsafeInput(f"public context: unreadable parameters: {exc}") from None
         ours = _parms()
@@ -371,7 +441,9 @@ class CKKSPublicContext:
         self.seal_context = _seal_context(ours)
         self.galois_keys = s.GaloisKeys()
         try:
-            _load(self.galois_keys, parts[1], self.seal_context)
+            _load(
+                self.galois_keys, parts[1], self.seal_context, name="rotation keys", max_bytes=_MAX_KEYS_BYTES
+            )
         except (RuntimeError, ValueError) as exc:
             raise UnsafeInput(f"public context: rotation keys refused: {exc}") from None
         if not 1 <= self.galois_keys.size() <= _MAX_GALOIS_KEYS:
@@ -503,7 +575,7 @@ class CKKSLoRAPlan:
         for i, part in enumerate(parts):
             ct = s.Ciphertext()
             try:
-                _load(ct, part, ctx)
+                _load(ct, part, ctx, name=f"ciphertext row {i}", max_bytes=_MAX_CIPHERTEXT_BYTES)
             except (RuntimeError, ValueError) as exc:
                 raise UnsafeInput(f"ciphertext row {i} is not a ciphertext for this context: {exc}") from None
             # A fresh ciphertext: two polynomials at the top level, at the encoding scale (anything
