@@ -90,7 +90,9 @@ SessionId = Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The ses
 class CKKSContextOut(BaseModel):
     context_id: str = Field(description="SHA-256 (hex) of the uploaded bytes; name it in ckks-lora-delta.")
     size_bytes: int = Field(description="Size of the uploaded context.")
-    adapters: list[str] = Field(description="Adapters whose rotation keys this context holds.")
+    adapters: list[str] = Field(
+        description="Adapters this context can serve (their sizes fit the packing, its keys their rank)."
+    )
 
 
 class CKKSLoraDeltaIn(_Strict):
@@ -166,7 +168,14 @@ def ckks_router(
     max_contexts: int = MAX_CONTEXTS,
 ) -> APIRouter:
     """The two CKKS routes over ``create_app``'s adapters, ledger, key check and charge path."""
-    from gaussdp.inference.ckks import MAX_RANK, CKKSLoRAPlan, CKKSPublicContext, rotation_steps_for
+    from gaussdp.inference.ckks import (
+        MAX_HIDDEN,
+        MAX_RANK,
+        SLOTS,
+        CKKSLoRAPlan,
+        CKKSPublicContext,
+        rotation_steps_for,
+    )
 
     Releaser = Annotated[Caller, Depends(releaser)]
     contexts = _Contexts(max_contexts)
@@ -187,8 +196,10 @@ def ckks_router(
         contexts.put(p, ctx)
         usable = [
             name
-            for name, (a, *_) in adapters.items()
+            for name, (a, b, *_) in adapters.items()
             if a.shape[0] <= MAX_RANK
+            and a.shape[1] <= MAX_HIDDEN
+            and b.shape[0] <= SLOTS
             and all(ctx.has_rotation(k) for k in rotation_steps_for(int(a.shape[0])))
         ]
         return CKKSContextOut(context_id=ctx.context_id, size_bytes=ctx.nbytes, adapters=sorted(usable))
