@@ -262,3 +262,19 @@ def test_a_decompression_bomb_is_refused_before_seal_inflates_it(client) -> None
     zlib_like[5] = 1  # compression mode zlib: no block sizes to bound it, refused
     with pytest.raises(UnsafeInput, match="compression mode 1"):
         CKKSPublicContext(ckks._frame(ckks._CTX_MAGIC, (), [parts[0], bytes(zlib_like)]))
+
+
+def test_values_past_the_range_wrap_around_and_check_range_refuses_them(client, public) -> None:  # type: ignore[no-untyped-def]
+    from gaussdp.inference.ckks import VALUE_LIMIT
+
+    assert VALUE_LIMIT == 2.0**13
+    A, B = np.eye(256)[:1], np.ones((SLOTS, 1))  # every output slot = h[0]: the densest result
+    h = np.zeros((2, 256))
+    h[0, 0], h[1, 0] = 0.9 * VALUE_LIMIT, 8.0 * VALUE_LIMIT
+    plan = CKKSLoRAPlan(A, B)
+    got = client.decrypt_delta(plan.delta(public, client.encrypt(h)), rows=2)
+    assert np.abs(got[0] - h[0, 0]).max() < 1e-3  # inside the range: exact
+    assert np.abs(got[1] - h[1, 0]).max() > 1.0  # outside: garbage, and nothing tells the client
+    plan.check_range(clip_norm=1.0, sigma=100.0)  # ||v|| <= 1 * (1 + 100 (16 + 10)) = 2601 < 2^13
+    with pytest.raises(UnsafeInput, match="past the CKKS range"):
+        plan.check_range(clip_norm=1.0, sigma=1000.0)

@@ -172,6 +172,8 @@ def test_refusals_charge_nothing(service, app_client, ckks_client) -> None:  # t
         (delta_body(ckks_client, np.ones((1, D + 1))), 422, "hidden size"),
         (delta_body(ckks_client, np.ones((5, D))), 413, "too large"),  # over MAX_ROWS: over the limit
         ({**delta_body(ckks_client, h), "context_id": "0" * 64}, 404, "ckks_context_unknown"),
+        # a declared noise whose delta could pass 2^14 (and decrypt to garbage): refused first
+        (delta_body(ckks_client, h, sigma=1e4), 422, "past the CKKS range"),
     ]
     for body, status, text in cases:
         r = app_client.post(url, json=body, headers=headers)

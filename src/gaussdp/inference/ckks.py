@@ -68,6 +68,7 @@ __all__ = [
     "POLY_MODULUS_DEGREE",
     "SCALE_BITS",
     "SLOTS",
+    "VALUE_LIMIT",
     "CKKSClient",
     "CKKSLoRAPlan",
     "CKKSPublicContext",
@@ -78,14 +79,18 @@ __all__ = [
 # One parameter set, fixed for client and server: a server never runs a computation whose cost a
 # client chose. 60 + 45 + 45 + 60 = 210 bits <= 218, the HE standard's bound for n = 8192 at
 # 128-bit classical security (Albrecht et al. 2018, Table 1); SEAL checks it again (TC128).
-# The 60-bit first prime holds the result: values up to 2^14 = 16384 in magnitude at scale 2^45
-# (larger ones wrap around). The two 45-bit primes are dropped by the two rescales; the last 60-bit
-# prime is the key-switching special prime. Scale 2^45 rather than 2^40: the ring sum adds the
-# noise of slots/r slots into each result, and 2^40 left errors near 1e-4 relative at rank 1.
+# The 60-bit first prime holds the result: values up to VALUE_LIMIT = 2^13 = 8192 in magnitude at
+# scale 2^45 (larger ones may wrap around). The two 45-bit primes are dropped by the two
+# rescales; the last 60-bit prime is the key-switching special prime. Scale 2^45 rather than
+# 2^40: the ring sum adds the noise of slots/r slots into each result, and 2^40 left errors near
+# 1e-4 relative at rank 1.
 POLY_MODULUS_DEGREE = 8192
 COEFF_MOD_BIT_SIZES = (60, 45, 45, 60)
 SCALE_BITS = 45
 SLOTS = POLY_MODULUS_DEGREE // 2
+# Result values below this in magnitude decrypt correctly: the encoded polynomial's coefficients are
+# at most scale * max|value| (then < 2^58, half the 60-bit prime's q/2: room for the noise).
+VALUE_LIMIT = 2.0 ** (COEFF_MOD_BIT_SIZES[0] - SCALE_BITS - 2)
 _BLOCK = 256  # the client's period P is a multiple of this; ranks (padded) must divide it
 MAX_RANK = _BLOCK
 MAX_HIDDEN = SLOTS - _BLOCK  # P + r_pad <= SLOTS for the shifted reads of the first product
@@ -488,6 +493,8 @@ class CKKSLoRAPlan:
                 f"{MAX_RANK}, hidden size <= {MAX_HIDDEN}, output size <= {SLOTS}"
             )
         self.rank, self.d, self.d_out = r, d, d_out
+        # |v_j| <= ||row j of scaling * B @ A|| * ||h||: what check_range bounds before computing
+        self.max_row_norm = float(np.sqrt(((float(scaling) * b @ a) ** 2).sum(axis=1).max()))
         self.r_pad = r_pad = _pad_rank(r)
         self.period = period = _period(d)
         self.g_a, self.g_b = _schedule(r_pad)
@@ -552,6 +559,26 @@ class CKKSLoRAPlan:
             ev.add_inplace(acc, rotated)
             out = acc
         return out
+
+    def check_range(self, *, clip_norm: float, sigma: float) -> None:
+        """Refuse rows whose delta could leave the CKKS range (``|v| <`` :data:`VALUE_LIMIT` ``= 2^13``:
+        larger values may wrap around and decrypt to garbage, silently).
+
+        A row clipped to ``clip_norm`` plus ``N(0, sigma^2 I)`` noise has norm at most
+        ``clip_norm + sigma (sqrt(d) + 10)`` but with probability below ``exp(-50)`` (Gaussian
+        concentration of the norm, a 1-Lipschitz function: Ledoux 2001, Theorem 2.7), and each
+        delta value is at most its row of ``scaling * B @ A`` in norm times that.
+
+        Raises:
+            UnsafeInput: the bound reaches :data:`VALUE_LIMIT`.
+        """
+        bound = self.max_row_norm * (clip_norm + sigma * (math.sqrt(self.d) + 10.0))
+        if not bound < VALUE_LIMIT:
+            raise UnsafeInput(
+                f"sigma={sigma:g} and clip_norm={clip_norm:g}: delta values could reach {bound:.3g}, "
+                f"past the CKKS range {VALUE_LIMIT:g} of this adapter's packing (they would decrypt to "
+                "garbage)"
+            )
 
     def read_rows(self, context: CKKSPublicContext, ciphertext: bytes) -> list[Any]:
         """Parse and check a :meth:`CKKSClient.encrypt` message for this adapter; no HE work yet.

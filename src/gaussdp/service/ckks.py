@@ -260,6 +260,7 @@ def ckks_router(
         except (binascii.Error, ValueError):
             raise HTTPException(422, "ciphertext_b64 must be standard base64") from None
         plan = plan_for(body.adapter)
+        plan.check_range(clip_norm=body.clip_norm, sigma=body.sigma)  # UnsafeInput -> 422, uncharged
         rows = plan.read_rows(ctx, raw)  # UnsafeInput -> 422, nothing charged
         if len(rows) != body.rows:
             raise HTTPException(422, f"rows={body.rows} but ciphertext_b64 holds {len(rows)} rows")
