@@ -38,6 +38,12 @@ Measured (``benchmarks/bench_inference.py``, shared 2-core CPU): about 0.15 s pe
 encryption to decryption (0.06 s of server CPU), against 2.3 s for :class:`CKKSLoRABackend`;
 relative error about 1e-8 against the plaintext delta.
 
+**Fail closed.** One parameter set (a client cannot choose a costlier ring); every SEAL object is
+bounded, from its zstd block headers, in what it decompresses to before SEAL reads it (no
+decompression bombs); a ciphertext must be a fresh encryption at the top level and the encoding
+scale; result values must stay below :data:`VALUE_LIMIT` (``2^13``) in magnitude, or they wrap
+around silently: :meth:`CKKSLoRAPlan.check_range` refuses a declared noise that could get there.
+
 References:
     Halevi and Shoup, "Algorithms in HElib", CRYPTO 2014, Section 4.3 (diagonal method) and Section
     4.4 / "Faster homomorphic linear transformations in HElib", CRYPTO 2018 (baby-step/giant-step).
