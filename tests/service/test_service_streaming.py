@@ -105,8 +105,11 @@ def test_a_concurrent_stream_of_another_session_is_unaffected(served_lm) -> None
     sids = [_session(served_lm, epsilon=50.0) for _ in range(2)]
     results: dict[str, dict] = {}
 
+    multipliers = dict(zip(sids, (8.0, 16.0), strict=True))  # each stream its own noise level
+
     def stream(sid: str) -> None:
-        ws, start = _open(served_lm, sid, max_new_tokens=30, stop_at_eos=False)
+        nm = multipliers[sid]
+        ws, start = _open(served_lm, sid, max_new_tokens=30, stop_at_eos=False, noise_multiplier=nm)
         t0 = time.monotonic()
         tokens = []
         while (m := json.loads(ws.recv(timeout=30)))["type"] == "token":
@@ -129,6 +132,11 @@ def test_a_concurrent_stream_of_another_session_is_unaffected(served_lm) -> None
         assert [c["idempotency_key"] for c in charges] == [
             f"{r['start']['stream_id']}/{i}" for i in range(30)
         ]
+        # every forward pass of this stream was noised (and charged) by its own privatizer only
+        assert r["start"]["sigma"] == 2 * multipliers[sid]
+        first, rest = charges[0]["event"], charges[1:]
+        assert first["event"]["noise_multiplier"] == multipliers[sid]  # the prompt's rows
+        assert {c["event"]["noise_multiplier"] for c in rest} == {multipliers[sid]}
 
 
 def test_post_generate_answers_the_tokens_so_far_on_exhaustion(served_lm) -> None:  # type: ignore[no-untyped-def]
@@ -141,8 +149,11 @@ def test_post_generate_answers_the_tokens_so_far_on_exhaustion(served_lm) -> Non
     assert out["finish_reason"] == "budget_exhausted" and out["error"] == "budget_exhausted"
     assert 0 < len(out["tokens"]) == len(_charges(served_lm, sid)) < 256
     assert out["text"] and out["spent"]["epsilon"] <= 3.0
-    r = httpx.post(url, json=body, headers=served_lm.headers)  # nothing left for a first token
-    assert r.status_code == 409 and r.json()["error"] == "budget_exhausted"
+    assert out["layer"] == "transformer.h.1"  # the last block by default
+    r = httpx.post(
+        url, json={**body, "layer": 0}, headers=served_lm.headers
+    )  # nothing left for a first token
+    assert r.status_code == 409 and r.json()["error"] == "budget_exhausted", r.text
     assert len(_charges(served_lm, sid)) == len(out["tokens"])
     schema = httpx.get(served_lm.url + "/openapi.json").json()
     assert "post" in schema["paths"]["/v1/sessions/{session_id}/generate"]
@@ -159,6 +170,9 @@ def test_stream_refusals_name_the_problem_and_charge_nothing(served_lm) -> None:
         (served_lm.headers, {**start, "sigma": 1.0}, "invalid", 4422),  # two noise levels
         (served_lm.headers, {**start, "api_key": served_lm.key}, "invalid", 4422),  # two keys
         (served_lm.headers, {**start, "layer": "transformer.nope"}, "invalid", 4422),
+        # inside a block: the residual stream goes around it (the clean state would leak)
+        (served_lm.headers, {**start, "layer": "transformer.h.1.attn"}, "invalid", 4422),
+        (served_lm.headers, {**start, "layer": "lm_head"}, "invalid", 4422),
     ]
     for headers, body, code, close in cases:
         with connect(url, additional_headers=headers) as ws:

@@ -64,7 +64,10 @@ def serve(
         None, envvar="GAUSSDP_SSL_KEYFILE", help="TLS private key (PEM)."
     ),
     model: list[str] = typer.Option(
-        [], "--model", help="NAME=PATH: a Hugging Face causal LM in a local directory, loaded at start-up."
+        [],
+        "--model",
+        help="NAME=PATH: a Hugging Face causal LM in a local directory (with its tokenizer, if saved "
+        "there), loaded at start-up and served by /v1/sessions/{id}/generate (POST and WebSocket).",
     ),
     adapter: list[str] = typer.Option(
         [],

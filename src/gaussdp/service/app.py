@@ -5,7 +5,8 @@ the key's scope (read < release < admin) does not allow the route; 429 the key's
 (``Retry-After``); 404 a session this tenant does not own (another tenant's
 sessions are indistinguishable from missing ones); 409 the session's budget cannot pay for the
 release (``BudgetExhausted``: nothing was charged or released), an idempotency key was already
-used for a release, or concurrent charges kept moving the session's history (``ledger_contention``,
+charged and answered (``idempotency_key_used``: nothing new charged or released), or concurrent
+charges kept moving the session's history (``ledger_contention``,
 with ``Retry-After``), or the tenant's cap on sessions or total epsilon
 (``tenant_limit_exceeded``); 413 request body over ``max_body_bytes``; 422 invalid arguments, naming them,
 or a request that needs more than ``cpu_limit_s`` of numeric work (``work_limit_exceeded``; nothing
@@ -20,6 +21,10 @@ computes the LoRA delta of the noised rows with an adapter it holds, and charges
 privacy the client declares it spent (the server cannot verify that noise). With the ``he`` extra
 the same adapters are also served encrypted, ``/ckks-context`` and ``/ckks-lora-delta``
 (:mod:`gaussdp.service.ckks`): the server computes the delta on CKKS ciphertext it cannot decrypt.
+
+Private generation with the models of ``gaussdp serve --model`` (``POST`` and WebSocket
+``/v1/sessions/{id}/generate``, one charge per token before it is sent) lives in
+:mod:`gaussdp.service.streaming`, which documents the WebSocket protocol and its close codes.
 """
 
 # No "from __future__ import annotations": FastAPI resolves the local Annotated aliases at runtime.

@@ -283,7 +283,11 @@ class GenerateIn(_Strict):
     delta: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False, description="Per-row delta.")
     clip_norm: float = Field(1.0, gt=0, le=1e6, allow_inf_nan=False, description="L2 clip of each row.")
     layer: Annotated[int, Field(ge=-1024, le=1024)] | Annotated[str, Field(pattern=LAYER_PATTERN)] | None = (
-        Field(None, description="Block index or module path; default the last transformer block.")
+        Field(
+            None,
+            description="A transformer block: its index (negative from the end) or its path "
+            "('transformer.h.0'); default the last block. Modules inside a block are refused.",
+        )
     )
     neighbouring: Neighbouring = Field(DEFAULT_HIDDEN_STATE_NEIGHBOURING, description=_RELATION_HELP)
     stop_at_eos: bool = Field(True, description="End after the tokenizer's end-of-sequence token.")

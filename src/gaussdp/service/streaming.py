@@ -71,17 +71,15 @@ import asyncio
 import json
 import logging
 import re
-import secrets
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Request, WebSocket
+from fastapi import APIRouter, HTTPException, Path, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from gaussdp._worklimit import cpu_limit, no_cpu_limit
 from gaussdp.budget import (
     BudgetExhausted,
     Ledger,
@@ -91,9 +89,9 @@ from gaussdp.budget import (
 )
 from gaussdp.errors import InvalidParameter, PrivacyError, WorkLimitExceeded
 from gaussdp.service.auth import Caller
+from gaussdp.service.generation import ChargePerToken, Generation
 from gaussdp.service.models import (
     MAX_NEW_TOKENS,
-    MAX_PROMPT_TOKENS,
     SESSION_ID_PATTERN,
     GeneratedToken,
     GenerateIn,
@@ -136,137 +134,6 @@ START_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 60.0
 MAX_ACTIVE_GENERATIONS = 32
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
-
-
-class _ChargePerToken:
-    """The ledger as the privatizer's hook sees it: each charge carries the current token's key."""
-
-    def __init__(self, ledger: Ledger, key_id: str, on_charged: Callable[[Any], None]) -> None:
-        self._ledger = ledger
-        self._key_id = key_id
-        self._on_charged = on_charged
-        self.key: str | None = None
-        self.receipt: Any = None
-
-    def charge(self, principal: str, event: Any) -> Any:
-        receipt = self._ledger.charge(principal, event, self.key, key_id=self._key_id)
-        if receipt.replayed:  # charged (and answered) by an earlier request: release nothing new
-            raise IdempotencyKeyUsed(
-                f"idempotency key {self.key!r} was already charged and answered; the first answer "
-                "is the only one (nothing was charged or generated now)"
-            )
-        self.receipt = receipt
-        with no_cpu_limit():
-            self._on_charged(receipt)
-        return receipt
-
-    def spent(self, principal: str) -> Any:
-        return self._ledger.spent(principal)
-
-
-class _Generation:
-    """One request's generation: a privatizer on the model's layer, stepped one token at a time."""
-
-    def __init__(
-        self,
-        body: GenerateIn,
-        *,
-        model: Any,
-        tokenizer: Any,
-        lock: threading.Lock,
-        principal: str,
-        charges: _ChargePerToken,
-        noise: str,
-        cpu_limit_s: float,
-    ) -> None:
-        from gaussdp._neighbouring import hidden_state_sensitivity
-        from gaussdp.inference import HiddenStatePrivatizer, stream_generate
-
-        self.stream_id = body.idempotency_key or secrets.token_urlsafe(12)
-        self.tokenizer = tokenizer
-        self._lock = lock
-        self._charges = charges
-        self._cpu_limit_s = cpu_limit_s
-        ids = _prompt_ids(body, model, tokenizer)
-        self.prompt_tokens = int(ids.shape[1])
-        sensitivity = hidden_state_sensitivity(body.clip_norm, body.neighbouring)
-        sigma = body.sigma if body.noise_multiplier is None else body.noise_multiplier * sensitivity
-        try:
-            self.privatizer = HiddenStatePrivatizer(
-                model,
-                body.layer,
-                clip_norm=body.clip_norm,
-                sigma=sigma,
-                epsilon=body.epsilon,
-                delta=body.delta,
-                ledger=charges,
-                session_id=principal,
-                neighbouring=body.neighbouring,
-                noise=noise,
-            )
-        except (LookupError, TypeError, IndexError) as exc:
-            raise InvalidParameter(f"layer: {exc}") from None
-        eos = getattr(tokenizer, "eos_token_id", None)
-        self.eos = eos if body.stop_at_eos else None
-        self._tokens = stream_generate(
-            model, ids, privatizer=self.privatizer, max_new_tokens=body.max_new_tokens, session_id=principal
-        )
-
-    def step(self, index: int) -> GeneratedToken:
-        """Compute, charge (key ``stream_id/index``) and return token ``index``; runs in a worker thread."""
-        self._charges.key = f"{self.stream_id}/{index}"
-        self._charges.receipt = None
-        with cpu_limit(self._cpu_limit_s), self._lock:
-            token = next(self._tokens)
-        receipt = self._charges.receipt
-        if receipt is None:  # the hook did not run: the token would leave unprivatized
-            raise RuntimeError("no charge was recorded for this token: refusing to send it")
-        token_id = int(token.reshape(-1)[0])
-        return GeneratedToken(
-            index=index, token_id=token_id, text=self.decode([token_id]), charge_id=receipt.charge_id
-        )
-
-    def decode(self, ids: list[int]) -> str | None:
-        return None if self.tokenizer is None else str(self.tokenizer.decode(ids))
-
-    def describe(self) -> dict[str, Any]:
-        p = self.privatizer
-        return {
-            "layer": str(p.layer_path),
-            "sigma": float(p.sigma),
-            "clip_norm": float(p.clip_norm),
-            "neighbouring": p.neighbouring,
-            "sensitivity": float(p.sensitivity),
-            "noise_multiplier": float(p.noise_multiplier),
-        }
-
-
-def _prompt_ids(body: GenerateIn, model: Any, tokenizer: Any) -> Any:
-    import torch
-
-    if body.prompt_ids is not None:
-        ids = list(body.prompt_ids)
-    elif tokenizer is None:
-        raise InvalidParameter(
-            f"prompt: model {body.model!r} has no tokenizer on this server; send prompt_ids"
-        )
-    else:
-        ids = list(tokenizer(body.prompt, add_special_tokens=False)["input_ids"])
-    if not ids:
-        raise InvalidParameter("prompt: it has no tokens")
-    if len(ids) > MAX_PROMPT_TOKENS:
-        raise InvalidParameter(f"prompt: {len(ids)} tokens, the limit is {MAX_PROMPT_TOKENS}")
-    config = getattr(model, "config", None)
-    vocab = getattr(config, "vocab_size", None)
-    if vocab is not None and max(ids) >= vocab:
-        raise InvalidParameter(f"prompt_ids: ids must be < {vocab} (the model's vocabulary)")
-    context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
-    if context is not None and len(ids) + body.max_new_tokens > context:
-        raise InvalidParameter(
-            f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens ({body.max_new_tokens}) exceeds "
-            f"the model's context of {context}"
-        )
-    return torch.tensor([ids], dtype=torch.long)
 
 
 def _error_code(exc: BaseException) -> str:
@@ -339,7 +206,7 @@ def generation_router(
         with guard:
             active["n"] -= 1
 
-    def generation(app: Any, body: GenerateIn, p: str, who: Caller) -> _Generation:
+    def generation(app: Any, body: GenerateIn, p: str, who: Caller) -> Generation:
         models = getattr(app.state, "models", None) or {}
         model = models.get(body.model)
         if model is None:
@@ -347,8 +214,8 @@ def generation_router(
         tokenizer = (getattr(app.state, "tokenizers", None) or {}).get(body.model)
         with guard:
             lock = model_locks.setdefault(body.model, threading.Lock())
-        charges = _ChargePerToken(ledger, who.key_id, lambda r: on_charged(who, r))
-        return _Generation(
+        charges = ChargePerToken(ledger, who.key_id, lambda r: on_charged(who, r))
+        return Generation(
             body,
             model=model,
             tokenizer=tokenizer,
@@ -372,9 +239,9 @@ def generation_router(
         responses=responses,
     )
     def generate(
-        session_id: str,
+        session_id: Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The session's id.")],
         body: GenerateIn,
-        who: releaser,  # type: ignore[valid-type]
+        who: releaser,
         request: Request,
     ) -> GenerateOut:
         """Generate with the hidden state at ``layer`` clipped and noised for every token; each token
@@ -386,8 +253,6 @@ def generation_router(
         (nothing charged). A retried ``idempotency_key`` is refused with 409 ``idempotency_key_used``.
         The WebSocket route of the same path streams the tokens (see :mod:`gaussdp.service.streaming`).
         """
-        if not _SESSION_ID.match(session_id):
-            raise HTTPException(422, f"session_id must match {SESSION_ID_PATTERN}")
         p = owned(who.tenant, session_id)
         begin()
         try:
@@ -410,6 +275,7 @@ def generation_router(
                     break
         finally:
             end()
+        figures = spent_remaining(p, gen.last_receipt)
         return GenerateOut(
             stream_id=gen.stream_id,
             model=body.model,
@@ -420,7 +286,8 @@ def generation_router(
             error=error,
             detail=detail,
             **gen.describe(),
-            **spent_remaining(p, gen._charges.receipt),
+            spent=figures["spent"],
+            remaining=figures["remaining"],
         )
 
     @router.websocket("/v1/sessions/{session_id}/generate")
@@ -549,7 +416,7 @@ def generation_router(
                 scheme, _, credentials = header.partition(" ")
                 key = credentials.strip() if scheme.lower() == "bearer" else None
             try:
-                who = authenticate(key if isinstance(key, str) else None)
+                who = await run_in_threadpool(authenticate, key if isinstance(key, str) else None)
                 if not _SESSION_ID.match(session_id):
                     raise InvalidParameter(f"session_id must match {SESSION_ID_PATTERN}")
                 self.p = p = await run_in_threadpool(owned, who.tenant, session_id)
