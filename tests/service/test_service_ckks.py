@@ -6,11 +6,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -216,90 +211,26 @@ def test_without_adapters_there_are_no_ckks_routes(service, client) -> None:  # 
     assert not [p for p in paths if "ckks" in p]
 
 
-# --- against a real `gaussdp serve` process -------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def served(tmp_path):  # type: ignore[no-untyped-def]
-    """`gaussdp serve --adapter ad=PATH` with a peft LoRA adapter of a tiny GPT-2, saved to disk."""
-    import httpx
-    import peft
-    import torch
-    import transformers
-
-    from gaussdp.budget import Ledger
-    from gaussdp.service.keys import create_api_key
-
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=D, n_head=2, vocab_size=100, n_positions=64)
-    model = transformers.GPT2LMHeadModel(config)
-    lora = peft.LoraConfig(
-        r=RANK, lora_alpha=8, target_modules=["attn.c_proj"], layers_to_transform=[1],
-        init_lora_weights=False, fan_in_fan_out=True,
-    )  # fmt: skip
-    pm = peft.get_peft_model(model, lora)
-    pm.save_pretrained(tmp_path / "adapter")
-    module = pm.base_model.model.transformer.h[1].attn.c_proj
-    db = f"sqlite:///{tmp_path / 'ledger.db'}"
-    with Ledger(db) as ledger:
-        key = create_api_key(ledger.store, "acme")
-    port = _free_port()
-    cmd = [sys.executable, "-c", "from gaussdp.cli import main; main()", "serve", "--db", db]
-    cmd += [
-        "--port",
-        str(port),
-        "--adapter",
-        f"ad={tmp_path / 'adapter'}",
-        "--text",
-        "off",
-        "--metrics",
-        "off",
-    ]
-    log = open(tmp_path / "server.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.2)
-        yield url, {"Authorization": f"Bearer {key}"}, module
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()
+# --- against a real `gaussdp serve` process (the shared `served_lm` fixture, tests/conftest.py) ---
 
 
 @pytest.mark.slow
-def test_over_http_against_gaussdp_serve(served) -> None:  # type: ignore[no-untyped-def]
+def test_over_http_against_gaussdp_serve(served_lm) -> None:  # type: ignore[no-untyped-def]
+    """`gaussdp serve --adapter ad=PATH` (a peft adapter saved to disk) through gaussdp.client."""
     import httpx
     import torch
 
     from gaussdp.client import GaussDPClient
     from gaussdp.inference import HiddenStatePrivatizer
+    from gaussdp.service.loading import load_lora_adapter
 
-    url, headers, module = served
+    a, b, scaling = load_lora_adapter(served_lm.adapter_dir)
+    d = a.shape[1]
     keys = CKKSClient()  # the default: every power-of-two rotation key (8.7 MB, over 8 MiB)
     # the client privatizes (clip + noise) hidden states, then encrypts the noised rows
     privatizer = HiddenStatePrivatizer(None, clip_norm=CLIP, sigma=SIGMA)
-    h = privatizer.privatize(torch.randn(2, D, dtype=torch.float64) * 3).numpy()
-    with GaussDPClient(url, headers["Authorization"].split()[1], timeout=60) as client:
+    h = privatizer.privatize(torch.randn(2, d, dtype=torch.float64) * 3).numpy()
+    with GaussDPClient(served_lm.url, served_lm.key, timeout=60) as client:
         sid = client.create_session(epsilon=20.0, delta=1e-5).session_id
         answers = []
         for call in (1, 2):
@@ -313,18 +244,14 @@ def test_over_http_against_gaussdp_serve(served) -> None:  # type: ignore[no-unt
             assert len(client.history(sid)) == call  # charged once per call
         assert answers[0].charge_id != answers[1].charge_id
         assert answers[1].noise_multiplier == SIGMA / (2 * CLIP) and answers[1].rows == 2
-    with httpx.Client(base_url=url, headers=headers, timeout=60) as http:  # the route by hand too
-        session = http.get(f"/v1/sessions/{sid}").json()
-        assert session["charges"] == 2
+        # the same rows in the clear (/lora-delta, float32 on the wire), for comparison
+        plain = client.lora_delta(sid, h, adapter="ad", clip_norm=CLIP, sigma=SIGMA).delta
+    with httpx.Client(base_url=served_lm.url, headers=served_lm.headers, timeout=60) as http:
+        assert http.get(f"/v1/sessions/{sid}").json()["charges"] == 3
         r = http.post(f"/v1/sessions/{sid}/ckks-context", content=b"\x00" * (17 << 20), headers=OCTETS)
         assert r.status_code == 413
-    # the plaintext delta of the same noised rows: peft's own lora_B(lora_A(h)) * scaling
-    with torch.no_grad():
-        x = torch.as_tensor(h, dtype=torch.float64)
-        ref = (
-            module.lora_B["default"].double()(module.lora_A["default"].double()(x))
-            * module.scaling["default"]
-        )
-    ref_np = ref.numpy()
+    # the plaintext delta of the same noised rows
+    ref = scaling * (h @ a.T) @ b.T
     for answer in answers:
-        assert np.linalg.norm(answer.delta - ref_np) / np.linalg.norm(ref_np) <= 1e-4
+        assert np.linalg.norm(answer.delta - ref) / np.linalg.norm(ref) <= 1e-4
+    np.testing.assert_allclose(plain, ref, rtol=1e-4, atol=1e-5)
