@@ -111,17 +111,17 @@ def test_public_context_has_no_secret_key_and_the_server_cannot_decrypt(client) 
     script = textwrap.dedent(
         """
         import sys, numpy as np, tenseal.sealapi as s
-        from gaussdp.inference import ckks
+        from gaussdp.inference import ckks, _ckks_wire as wire
         pub, ct = open(sys.argv[1], "rb").read(), open(sys.argv[2], "rb").read()
         server = ckks.CKKSPublicContext(pub)
         assert not server.is_private()
         held = [v for v in vars(server).values() if isinstance(v, s.SecretKey)]
         assert not held, held
         # the public context's two parts are parameters and Galois keys; neither loads as a key
-        _, parts = ckks._unframe("public context", ckks._CTX_MAGIC, 0, pub, 2)
+        _, parts = wire.unframe("public context", wire.CTX_MAGIC, 0, pub, 2)
         for part in parts:
             try:
-                ckks._load(s.SecretKey(), part, server.seal_context, max_bytes=1 << 30)
+                wire.load(s.SecretKey(), part, server.seal_context, max_bytes=1 << 30)
             except Exception:
                 pass
             else:
@@ -129,8 +129,8 @@ def test_public_context_has_no_secret_key_and_the_server_cannot_decrypt(client) 
         # the best the server can do: decrypt with a key of its own
         keys = s.KeyGenerator(server.seal_context)
         row = s.Ciphertext()
-        _, rows = ckks._unframe("ciphertext", ckks._CT_MAGIC, 1, ct, 64)
-        ckks._load(row, rows[0], server.seal_context, max_bytes=1 << 20)
+        _, rows = wire.unframe("ciphertext", wire.CT_MAGIC, 1, ct, 64)
+        wire.load(row, rows[0], server.seal_context, max_bytes=1 << 20)
         pt = s.Plaintext()
         s.Decryptor(server.seal_context, keys.secret_key()).decrypt(row, pt)
         guess = np.asarray(s.CKKSEncoder(server.seal_context).decode_double(pt)[:256])
@@ -202,14 +202,14 @@ def test_a_context_with_other_parameters_is_refused(client) -> None:  # type: ig
     """A client cannot choose a larger ring (a costlier computation) or smaller, weaker parameters."""
     import tenseal.sealapi as s
 
-    from gaussdp.inference import ckks
+    from gaussdp.inference import _ckks_wire as wire
 
     for n, bits in ((16384, [60, 40, 40, 60]), (8192, [50, 30, 30, 50])):
         parms = s.EncryptionParameters(s.SCHEME_TYPE.CKKS)
         parms.set_poly_modulus_degree(n)
         parms.set_coeff_modulus(s.CoeffModulus.Create(n, bits))
-        _, parts = ckks._unframe("public context", ckks._CTX_MAGIC, 0, client.public_context(), 2)
-        forged = ckks._frame(ckks._CTX_MAGIC, (), [ckks._save(parms), parts[1]])
+        _, parts = wire.unframe("public context", wire.CTX_MAGIC, 0, client.public_context(), 2)
+        forged = wire.frame(wire.CTX_MAGIC, (), [wire.save(parms), parts[1]])
         with pytest.raises(UnsafeInput, match="parameters other than"):
             CKKSPublicContext(forged)
     with pytest.raises(UnsafeInput, match="bad magic"):
@@ -219,7 +219,7 @@ def test_a_context_with_other_parameters_is_refused(client) -> None:  # type: ig
 def test_a_ciphertext_at_another_scale_or_level_is_refused(client, public) -> None:  # type: ignore[no-untyped-def]
     import tenseal.sealapi as s
 
-    from gaussdp.inference import ckks
+    from gaussdp.inference import _ckks_wire as wire
 
     rng = np.random.default_rng(8)
     A, B = adapter(rng, 4, 64, 16)
@@ -229,7 +229,7 @@ def test_a_ciphertext_at_another_scale_or_level_is_refused(client, public) -> No
     enc = s.Encryptor(ctx, client._secret_key)
     pt = s.Plaintext()
     encoder.encode([1.0] * SLOTS, 2.0**30, pt)  # another scale
-    wrong_scale = ckks._frame(ckks._CT_MAGIC, (64,), [ckks._save(enc.encrypt_symmetric(pt))])
+    wrong_scale = wire.frame(wire.CT_MAGIC, (64,), [wire.save(enc.encrypt_symmetric(pt))])
     with pytest.raises(UnsafeInput, match="not a fresh encryption"):
         plan.delta(public, wrong_scale)
     encoder.encode([1.0] * SLOTS, 2.0**40, pt)
@@ -237,14 +237,14 @@ def test_a_ciphertext_at_another_scale_or_level_is_refused(client, public) -> No
     enc.encrypt_symmetric(pt, ct)
     s.Evaluator(ctx).mod_switch_to_next_inplace(ct)  # one level down: the rescale chain breaks
     with pytest.raises(UnsafeInput, match="not a fresh encryption"):
-        plan.delta(public, ckks._frame(ckks._CT_MAGIC, (64,), [ckks._save(ct)]))
+        plan.delta(public, wire.frame(wire.CT_MAGIC, (64,), [wire.save(ct)]))
 
 
 def test_a_decompression_bomb_is_refused_before_seal_inflates_it(client) -> None:  # type: ignore[no-untyped-def]
     """A few hundred bytes of zstd RLE blocks would inflate to 200 MB of "rotation keys"."""
     import struct
 
-    from gaussdp.inference import ckks
+    from gaussdp.inference import _ckks_wire as wire
 
     blocks = b"".join(
         int(((2**21 - 1) << 3) | (1 << 1) | (i == 99)).to_bytes(3, "little") + b"\x00" for i in range(100)
@@ -252,16 +252,16 @@ def test_a_decompression_bomb_is_refused_before_seal_inflates_it(client) -> None
     frame = struct.pack("<I", 0xFD2FB528) + bytes([0b0010_0000, 0]) + blocks  # single segment, RLE blocks
     bomb = struct.pack("<HBBBBHQ", 0xA15E, 16, 4, 1, 2, 0, 16 + len(frame)) + frame
     assert len(bomb) < 1000
-    _, parts = ckks._unframe("public context", ckks._CTX_MAGIC, 0, client.public_context(), 2)
-    forged = ckks._frame(ckks._CTX_MAGIC, (), [parts[0], bomb])
+    _, parts = wire.unframe("public context", wire.CTX_MAGIC, 0, client.public_context(), 2)
+    forged = wire.frame(wire.CTX_MAGIC, (), [parts[0], bomb])
     with pytest.raises(UnsafeInput, match="would decompress to up to"):
         CKKSPublicContext(forged)
     # the bound of the real keys is close to their real size (zstd blocks of 128 KiB)
-    assert ckks._inflated_bound("keys", parts[1]) < ckks._MAX_KEYS_BYTES
+    assert wire.inflated_bound("keys", parts[1]) < wire.MAX_KEYS_BYTES
     zlib_like = bytearray(parts[1])
     zlib_like[5] = 1  # compression mode zlib: no block sizes to bound it, refused
     with pytest.raises(UnsafeInput, match="compression mode 1"):
-        CKKSPublicContext(ckks._frame(ckks._CTX_MAGIC, (), [parts[0], bytes(zlib_like)]))
+        CKKSPublicContext(wire.frame(wire.CTX_MAGIC, (), [parts[0], bytes(zlib_like)]))
 
 
 def test_values_past_the_range_wrap_around_and_check_range_refuses_them(client, public) -> None:  # type: ignore[no-untyped-def]
