@@ -115,6 +115,8 @@ def create_app(
     rate_limit_burst: int | None = None,
     text: Literal["keyed", "public", "off"] = "keyed",
     metrics: Literal["keyed", "public", "off"] = "keyed",
+    data_dir: str | None = None,
+    model_paths: Mapping[str, str] | None = None,
 ) -> FastAPI:
     """Build the service over a ledger (opened from ``ledger_url`` unless ``ledger`` is given).
 
@@ -140,6 +142,11 @@ def create_app(
         metrics: ``/metrics`` in Prometheus text format (:mod:`gaussdp.service.metrics`):
             ``"keyed"`` (default: an ``admin`` key; tenant names are labels), ``"public"`` (for a
             scraper on a private network), or ``"off"``.
+        data_dir: where uploaded corpora and trained adapters live; given, the fine-tuning routes
+            (:mod:`gaussdp.service.finetune`) are served (they need a durable ledger and the
+            ``torch`` extra; jobs are trained by :mod:`gaussdp.service.worker` processes).
+        model_paths: base models fine-tuning jobs may name: name -> local directory (``gaussdp serve
+            --model NAME=PATH``); never from a request.
     """
     if metrics not in ("keyed", "public", "off"):
         raise ValueError(f"metrics must be 'keyed', 'public' or 'off', got metrics={metrics!r}")
@@ -158,6 +165,9 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        jobs_store = getattr(app.state, "jobs", None)
+        if jobs_store is not None:
+            jobs_store.close()
         if owns_ledger:
             led.close()
 
@@ -168,7 +178,12 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.ledger = led
-    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
+    finetune_limits = {}
+    if data_dir is not None:
+        from gaussdp.service.finetune import CORPORA_PATH, MAX_CORPUS_BYTES
+
+        finetune_limits = {("POST", CORPORA_PATH): MAX_CORPUS_BYTES}  # corpora have their own limit
+    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes, per_route=finetune_limits)
 
     def refused(reason: str) -> None:
         if stats is not None:
@@ -595,6 +610,24 @@ def create_app(
     if text != "off":
         keyed = [Depends(needs("release"))] if text == "keyed" else []
         _include_optional_routers(app, keyed)
+    if data_dir is not None:
+        from gaussdp.service.finetune import make_finetune_router
+        from gaussdp.service.jobs import JobStore
+
+        jobs = JobStore(led.url)
+        app.state.jobs = jobs
+        app.state.model_paths = dict(model_paths or {})
+        app.include_router(
+            make_finetune_router(
+                ledger=led,
+                jobs=jobs,
+                data_dir=data_dir,
+                model_paths=app.state.model_paths,
+                reader=needs("read"),
+                releaser=needs("release"),
+                bounded=bounded,
+            )
+        )
     return app
 
 

@@ -2,7 +2,8 @@
 
 A declared ``Content-Length`` over the limit is answered 413 before a byte of the body is read; a
 body without one (chunked) is counted as it streams in and cut off with 413 as soon as it passes
-the limit.
+the limit. A route may have its own limit (``per_route``: ``(method, path) -> bytes``), e.g. corpus
+uploads, larger than the global one.
 """
 
 from __future__ import annotations
@@ -19,24 +20,31 @@ __all__ = ["BodySizeLimit", "BodyTooLarge", "RateLimiter"]
 
 
 class BodyTooLarge(HTTPException):
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, *, own_limit: bool = False) -> None:
+        hint = (
+            "this route's own limit (decimal bytes); split the upload"
+            if own_limit
+            else "max_body_bytes); send a smaller vector or use vector_b64 (4 bytes per float32"
+        )
         super().__init__(
-            status_code=413,
-            detail=f"request body too large: the limit is {limit} bytes (max_body_bytes); "
-            "send a smaller vector or use vector_b64 (4 bytes per float32)",
+            status_code=413, detail=f"request body too large: the limit is {limit} bytes ({hint})"
         )
 
 
 class BodySizeLimit:
-    def __init__(self, app: Any, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: Any, max_body_bytes: int, per_route: dict[tuple[str, str], int] | None = None
+    ) -> None:
         self.app = app
         self.max_body_bytes = int(max_body_bytes)
+        self.per_route = {k: int(v) for k, v in (per_route or {}).items()}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.max_body_bytes
+        own = self.per_route.get((scope.get("method", ""), scope.get("path", "")))
+        limit = self.max_body_bytes if own is None else own
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
@@ -45,7 +53,7 @@ class BodySizeLimit:
                     await _reply(send, 400, "invalid Content-Length header")
                     return
                 if declared > limit:
-                    await _reply(send, 413, BodyTooLarge(limit).detail)
+                    await _reply(send, 413, BodyTooLarge(limit, own_limit=own is not None).detail)
                     return
         received = 0
         started = False
@@ -56,7 +64,7 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise BodyTooLarge(limit)
+                    raise BodyTooLarge(limit, own_limit=own is not None)
             return message
 
         async def tracking_send(message: Any) -> None:
