@@ -65,7 +65,6 @@ import hashlib
 import json
 import os
 import secrets
-import shutil
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path as FsPath
@@ -146,7 +145,7 @@ class JobIn(BaseModel):
     corpus_id: str = Field(..., pattern=ID_PATTERN)
     model: str = Field(..., min_length=1, max_length=128, description="A name from GET /v1/models.")
     session_id: str = Field(..., pattern=SESSION_ID_PATTERN, description="The session that pays.")
-    lora: LoraIn = Field(default_factory=LoraIn)
+    lora: LoraIn = Field(default_factory=lambda: LoraIn.model_validate({}))
     target_epsilon: float | None = Field(None, gt=0, le=1e3, allow_inf_nan=False)
     noise_multiplier: float | None = Field(None, gt=0, le=1e4, allow_inf_nan=False)
     delta: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False, description="Default: the session's.")
@@ -501,13 +500,6 @@ def make_finetune_router(
     return api
 
 
-def remove_tenant_data(data_dir: str | os.PathLike[str], tenant: str) -> None:  # pragma: no cover
-    """Delete a tenant's files (corpora, adapters); the database rows are the caller's."""
-    from gaussdp.service.worker import tenant_dir
-
-    shutil.rmtree(tenant_dir(data_dir, tenant), ignore_errors=True)
-
-
 def _too_large() -> str:
     return (
         f"request body too large: a corpus may hold at most {MAX_CORPUS_BYTES} bytes "
@@ -529,8 +521,11 @@ def _corpus_out(c: CorpusRow) -> CorpusOut:
 
 
 def _job_out(j: JobRow, plan: Any = None) -> JobOut:
-    nm = j.event.get("noise_multiplier") if plan is None else getattr(plan, "noise_multiplier", None)
-    rate = j.event.get("sample_rate") if plan is None else getattr(plan, "sample_rate", None)
+    step_event = j.event
+    while isinstance(step_event.get("event"), dict):  # a self-composed event: the step inside
+        step_event = step_event["event"]
+    nm = step_event.get("noise_multiplier") if plan is None else getattr(plan, "noise_multiplier", None)
+    rate = step_event.get("sample_rate") if plan is None else getattr(plan, "sample_rate", None)
     return JobOut(
         id=j.id,
         state=j.state,  # type: ignore[arg-type]

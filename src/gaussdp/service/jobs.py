@@ -215,8 +215,8 @@ class JobStore:
                     conn.execute("ROLLBACK")
                 raise
         else:
-            with self._pool.connection() as conn, conn.transaction():
-                yield _Exec(conn, self._sql)
+            with self._pool.connection() as pg, pg.transaction():
+                yield _Exec(pg, self._sql)
 
     def close(self) -> None:
         if self.dialect == "postgres":
