@@ -75,7 +75,9 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gaussdp.budget import BudgetExhausted, Ledger, UnknownPrincipal
+from gaussdp._worklimit import no_cpu_limit
+from gaussdp.budget import Ledger, UnknownPrincipal
+from gaussdp.errors import PrivacyError, WorkLimitExceeded
 from gaussdp.service.auth import Caller
 from gaussdp.service.jobs import TERMINAL_STATES, CorpusRow, JobRow, JobStore
 from gaussdp.service.models import SESSION_ID_PATTERN
@@ -396,12 +398,17 @@ def make_finetune_router(
         jobs.add_job(row)
         try:
             receipt = ledger.charge(principal, plan.event, job_id, key_id=who.key_id)
-        except BudgetExhausted:
-            jobs.drop_uncharged(job_id)  # nothing charged, nothing queued
+        except (PrivacyError, WorkLimitExceeded):
+            # refused before anything was written (BudgetExhausted, LedgerContention, the CPU limit):
+            # nothing charged, nothing queued
+            with no_cpu_limit():
+                jobs.drop_uncharged(job_id)
             raise
-        # Any other failure leaves the row 'charging': never claimed, later marked failed.
-        jobs.charged(job_id, receipt.charge_id)
-        return _job_out(jobs.job(who.tenant, job_id) or row, plan)
+        # Any other failure (the database lost mid-charge: charged or not, unknown) leaves the row
+        # 'charging': never claimed, marked failed later by fail_abandoned.
+        with no_cpu_limit():  # charged: queue it whatever the limit says now
+            jobs.charged(job_id, receipt.charge_id)
+            return _job_out(jobs.job(who.tenant, job_id) or row, plan)
 
     @api.get("/v1/finetune-jobs", response_model=list[JobOut], responses=error_responses(401, 403, 429, 503))
     def list_jobs(who: Who) -> list[JobOut]:
