@@ -22,7 +22,8 @@ Routes (all need an API key; ``release`` scope to change anything, ``read`` to l
                                           (``gaussdp serve --model NAME=PATH``); names only.
 ``POST /v1/finetune-jobs``                Plan, charge the session, queue (201).
 ``GET /v1/finetune-jobs[/{id}]``          The tenant's jobs: state, step, steps, epsilon_so_far,
-                                          loss, error.
+                                          loss (always null: computed without noise, it is not
+                                          released), error.
 ``GET /v1/finetune-jobs/{id}/events``     Server-sent events (``text/event-stream``): the job as
                                           JSON on every change; ``event: end`` on a final state.
 ``POST /v1/finetune-jobs/{id}/cancel``    Cancel (202): a queued job at once, a running one at its
@@ -174,8 +175,12 @@ class JobOut(BaseModel):
     steps: int
     epsilon: float = Field(..., description="The plan's epsilon at delta (the whole run), charged up front.")
     delta: float
-    epsilon_so_far: float
-    loss: float | None
+    epsilon_so_far: float = Field(..., description="Epsilon of the steps done so far (at delta).")
+    loss: float | None = Field(
+        None,
+        description="Always null: the training loss is computed from the records without noise, "
+        "so it is not covered by the guarantee and is not released.",
+    )
     error: str | None
     noise_multiplier: float | None
     sample_rate: float | None
@@ -384,8 +389,16 @@ def make_finetune_router(
             raise HTTPException(
                 422, f"delta={body.delta!r} differs from the session's delta={budget.delta!r}; omit it"
             )
+        session_accountant = ledger.accountant(principal)
+        if session_accountant not in ("pld", "rdp"):
+            raise HTTPException(
+                422,
+                f"session_id: the session composes with the {session_accountant!r} accountant; a "
+                "fine-tuning job needs a session with accountant 'pld' or 'rdp'",
+            )
         config = body.model_dump()
         config["delta"] = budget.delta
+        config["accountant"] = session_accountant  # the plan's epsilon is the ledger's
         del config["corpus_id"], config["model"], config["session_id"]
         plan = plan_finetune(finetune_config(config), n_records=corpus.records)
         event = json.loads(json.dumps(plan.event.to_dict(), sort_keys=True))

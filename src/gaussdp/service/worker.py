@@ -65,6 +65,7 @@ def finetune_config(config: Mapping[str, Any]) -> Any:
         "learning_rate": config.get("learning_rate"),
         "max_seq_len": config.get("max_seq_len"),
         "clip_norm": config.get("clip_norm"),
+        "accountant": config.get("accountant"),
     }
     return FinetuneConfig(**{k: v for k, v in kwargs.items() if v is not None})
 
