@@ -86,7 +86,7 @@ def test_end_to_end_perturbed_corpus_to_private_adapter(rig, perturbed_corpus, t
         }
         assert corpus["bytes"] == len(text.encode())
         # raw (unperturbed) text declared as perturbed is refused, naming the line
-        raw = "the cat sat\nHello, Zyxwvut qqqq!\n"
+        raw = "the and in\nHello, Zyxwvut qqqq!\n"
         r = _upload(c, rig.a, raw, mechanism="gaussian", sigma=sigma)
         assert r.status_code == 422 and "line 2" in r.json()["detail"], r.text
         assert "Zyxwvut" not in r.text.lower() and "zyxwvut" not in r.text

@@ -143,7 +143,8 @@ def serve(
         settings = settings_from_env()
         from gaussdp.service.app import create_app
 
-        create_app(ledger=Ledger("memory://"), **{k: v for k, v in settings.items() if k != "ledger_url"})
+        checked = {k: v for k, v in settings.items() if k not in ("ledger_url", "data_dir")}
+        create_app(ledger=Ledger("memory://"), **checked)  # fine-tuning is checked by its JobStore
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
