@@ -244,6 +244,35 @@ def test_tenants_never_see_each_others_corpora_jobs_or_adapters(rig, perturbed_c
         c.post(f"/v1/finetune-jobs/{job['id']}/cancel", headers=rig.a)
 
 
+def test_cancel_a_running_job_keeps_its_charge(rig, perturbed_corpus):  # type: ignore[no-untyped-def]
+    import time
+
+    text, sigma, _ = perturbed_corpus
+    with httpx.Client(base_url=rig.server.url, timeout=60.0) as c:
+        corpus = _upload(c, rig.a, text, name="to-cancel", mechanism="gaussian", sigma=sigma).json()
+        c.post("/v1/sessions", json={"epsilon": 100.0, "delta": 1e-5, "session_id": "cx"}, headers=rig.a)
+        job = c.post(
+            "/v1/finetune-jobs",
+            json={"corpus_id": corpus["id"], "model": "tiny", "session_id": "cx", "noise_multiplier": 2.0,
+                  "epochs": 50, "batch_size": 8, "max_seq_len": 8},
+            headers=rig.a,
+        ).json()  # fmt: skip
+        deadline = time.monotonic() + 120
+        while c.get(f"/v1/finetune-jobs/{job['id']}", headers=rig.a).json()["step"] < 1:
+            assert time.monotonic() < deadline, "the job never ran"
+            time.sleep(0.2)
+        assert c.get(f"/v1/finetune-jobs/{job['id']}/adapter", headers=rig.a).status_code == 409
+        r = c.post(f"/v1/finetune-jobs/{job['id']}/cancel", headers=rig.a)
+        assert r.status_code == 202 and r.json()["cancel_requested"] is True
+        events = _sse(c, f"/v1/finetune-jobs/{job['id']}/events", rig.a)
+        assert events[-1][0] == "end" and events[-1][1]["state"] == "cancelled", events[-1]
+        assert events[-1][1]["step"] < job["steps"]
+        spent = c.get("/v1/sessions/cx", headers=rig.a).json()["spent"]["epsilon"]
+        assert spent == pytest.approx(job["epsilon"], rel=1e-9)  # the whole charge stays
+        r = c.get(f"/v1/finetune-jobs/{job['id']}/adapter", headers=rig.a)
+        assert r.status_code == 409 and r.json()["error"] == "job_not_succeeded"
+
+
 def _vm_hwm_kib(pid: int) -> int:
     for line in open(f"/proc/{pid}/status"):
         if line.startswith("VmHWM:"):
