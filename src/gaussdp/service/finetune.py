@@ -616,7 +616,8 @@ class _CorpusChecker:
             except UnicodeDecodeError:
                 text = None
             if text is not None and set(text.split()) <= self.clean:
-                self.records += sum(1 for line in raw_lines if line.strip())
+                # str.strip, as read_corpus: a line of Unicode spaces only is no record
+                self.records += sum(1 for line in text.split("\n")[:-1] if line.strip())
                 self.lineno += len(raw_lines)
                 return
         for raw in raw_lines:
