@@ -297,10 +297,6 @@ def run_finetune(
         FinetuneCancelled: ``should_stop()`` returned True.
     """
     import torch
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from gaussdp.torch import PrivacyEngine
-    from gaussdp.torch.data import split_batch
 
     if not isinstance(config, FinetuneConfig):
         raise TypeError(f"config must be a FinetuneConfig, got {type(config).__name__}")
@@ -327,12 +323,36 @@ def run_finetune(
             raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
     dev = torch.device(device or "cpu")
 
+    with _seeded(seed):  # a seeded run also fixes LoRA's initialisation and the base's dropout
+        return _train(
+            model_path, records, config, plan, progress, should_stop, seed, report_loss, dev,
+            max_physical_batch_size,
+        )  # fmt: skip
+
+
+def _train(
+    model_path: str | Path,
+    records: Sequence[str],
+    config: FinetuneConfig,
+    plan: FinetunePlan,
+    progress: Callable[[FinetuneProgress], None] | None,
+    should_stop: Callable[[], bool] | None,
+    seed: int | None,
+    report_loss: bool,
+    dev: Any,
+    max_physical_batch_size: int | None,
+) -> FinetuneResult:
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gaussdp.torch import PrivacyEngine
+    from gaussdp.torch.data import split_batch
+
     t0 = time.perf_counter()
     model, tokenizer = load_base_model(model_path)
     model_type = str(getattr(model.config, "model_type", ""))
     ids, mask = tokenize_records(tokenizer, records, config.max_seq_len)
-    with _seeded(seed):
-        peft_model, targets = wrap_lora(model, config)
+    peft_model, targets = wrap_lora(model, config)
     peft_model.to(dev)
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(trainable, lr=config.learning_rate)
