@@ -111,7 +111,7 @@ def test_card_and_json_state_the_plans_epsilon_and_both_guarantees(trained):
 
 
 def test_bad_local_dp_and_incomplete_dirs_are_refused(trained, tmp_path):
-    _, result, _, out = trained
+    result = trained[1]
     with pytest.raises(InvalidParameter, match="finite"):
         save_adapter(result, tmp_path / "a", local_dp={"sigma": float("nan")})
     with pytest.raises(TypeError, match="local_dp"):
