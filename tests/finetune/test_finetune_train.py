@@ -18,6 +18,7 @@ from gaussdp.finetune import (  # noqa: E402
     FinetuneCancelled,
     FinetuneConfig,
     adapter_zip,
+    check_model,
     model_card,
     plan_finetune,
     run_finetune,
@@ -197,3 +198,23 @@ def test_llama_gets_q_and_v_projections(tiny_model_dir, lee_lines, tmp_path):
         res = run_finetune(tmp_path, lee_lines, cfg, plan, max_physical_batch_size=5)
     assert res.target_modules == ("q_proj", "v_proj") and res.steps_done == plan.steps == 2
     assert res.epsilon == plan.epsilon
+
+
+def test_check_model_refuses_before_any_weight_is_loaded(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer, BertConfig
+
+    assert check_model(tiny_model_dir, CONFIG) == ("gpt2", ("c_attn",))
+    too_long = FinetuneConfig(**{**CONFIG.to_dict(), "max_seq_len": 129})  # the model has 128 positions
+    with pytest.raises(InvalidParameter, match="max_seq_len=129"):
+        check_model(tiny_model_dir, too_long)
+    with pytest.raises(InvalidParameter, match="target_modules"):
+        check_model(tiny_model_dir, FinetuneConfig(**{**CONFIG.to_dict(), "target_modules": ("q_proj",)}))
+    BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2).save_pretrained(
+        tmp_path
+    )
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path)
+    with pytest.raises(InvalidParameter, match="encoder, not a causal language model"):
+        check_model(tmp_path, CONFIG)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(InvalidParameter, match="no Hugging Face model config"):
+        check_model(tmp_path, CONFIG)
