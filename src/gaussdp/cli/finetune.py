@@ -105,6 +105,7 @@ def finetune(
     from gaussdp.errors import InvalidParameter, NotPrivateWarning
     from gaussdp.finetune import (
         FinetuneConfig,
+        check_model,
         epsilon_text,
         plan_finetune,
         read_corpus,
@@ -140,6 +141,7 @@ def finetune(
         accountant=accountant.value,
     )
     records = read_corpus(corpus, format=corpus_format.value)
+    check_model(model, config)  # refusals that need no weights, before anything is planned
     plan = plan_finetune(config, n_records=len(records))
     for line in _plan_lines(plan, config):
         (err if json_output else console).print(line)

@@ -42,6 +42,7 @@ from gaussdp.finetune.train import (
     FinetuneCancelled,
     FinetuneProgress,
     FinetuneResult,
+    check_model,
     load_base_model,
     run_finetune,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "FinetuneProgress",
     "FinetuneResult",
     "adapter_zip",
+    "check_model",
     "check_plan",
     "default_target_modules",
     "epsilon_text",

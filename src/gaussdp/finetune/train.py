@@ -37,6 +37,7 @@ __all__ = [
     "FinetuneCancelled",
     "FinetuneProgress",
     "FinetuneResult",
+    "check_model",
     "load_base_model",
     "run_finetune",
     "tokenize_records",
@@ -121,14 +122,9 @@ class FinetuneResult:
     seconds: float
 
 
-def load_base_model(model_path: str | Path) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` of a local Hugging Face causal LM directory (never downloads).
-
-    Raises:
-        InvalidParameter: naming ``model_path``: not a directory, not loadable as a causal LM, an
-            encoder-only architecture, or no tokenizer in it.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def _model_config(model_path: str | Path) -> tuple[Path, Any]:
+    """The directory and its Hugging Face config, after the checks that need no weights."""
+    from transformers import AutoConfig
 
     p = Path(model_path)
     if not p.is_dir():
@@ -143,6 +139,54 @@ def load_base_model(model_path: str | Path) -> tuple[Any, Any]:
         )
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         raise InvalidParameter(f"model_path {str(p)!r} holds no tokenizer (save it with the model)")
+    return p, cfg
+
+
+def check_model(model_path: str | Path, config: FinetuneConfig) -> tuple[str, tuple[str, ...]]:
+    """What :func:`run_finetune` would refuse about ``model_path`` with ``config``, checked cheaply.
+
+    Call it before charging the ledger, so that a job that cannot run costs no budget. Reads only
+    the model's config and builds the architecture on the ``meta`` device (no weights, no memory):
+    checks the directory, that it is a causal LM with a tokenizer, that ``max_seq_len`` fits its
+    positions, and which modules get LoRA adapters.
+
+    Returns:
+        ``(model_type, target_modules)``.
+
+    Raises:
+        InvalidParameter: naming ``model_path``, ``max_seq_len`` or ``target_modules``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if not isinstance(config, FinetuneConfig):
+        raise TypeError(f"config must be a FinetuneConfig, got {type(config).__name__}")
+    p, cfg = _model_config(model_path)
+    positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if isinstance(positions, int) and config.max_seq_len > positions:
+        raise InvalidParameter(
+            f"max_seq_len={config.max_seq_len} is more than the {positions} positions of the model "
+            f"at model_path {str(p)!r}"
+        )
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(cfg)
+    except (OSError, ValueError) as exc:
+        raise InvalidParameter(f"model_path {str(p)!r} is not a causal LM architecture: {exc}") from None
+    targets, _ = _resolve_targets(skeleton, config)
+    return str(cfg.model_type), targets
+
+
+def load_base_model(model_path: str | Path) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of a local Hugging Face causal LM directory (never downloads).
+
+    Raises:
+        InvalidParameter: naming ``model_path``: not a directory, not loadable as a causal LM, an
+            encoder-only architecture, or no tokenizer in it.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p, _ = _model_config(model_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
@@ -201,10 +245,9 @@ def _is_conv1d(module: Any) -> bool:
     return type(module).__name__ == "Conv1D"  # transformers' GPT-2 layer: weight stored (in, out)
 
 
-def wrap_lora(model: Any, config: FinetuneConfig) -> tuple[Any, tuple[str, ...]]:
-    """``(peft_model, target_modules)``: LoRA adapters on the targets; only they are trainable."""
-    from peft import LoraConfig, get_peft_model
-
+def _resolve_targets(model: Any, config: FinetuneConfig) -> tuple[tuple[str, ...], bool]:
+    """The target module names (config's, or the default for the model type) and whether they are
+    GPT-2 ``Conv1D`` layers (peft's ``fan_in_fan_out``)."""
     model_type = str(getattr(model.config, "model_type", ""))
     targets = config.target_modules or default_target_modules(model_type)
     found = [m for n, m in model.named_modules() if any(n == t or n.endswith("." + t) for t in targets)]
@@ -212,12 +255,25 @@ def wrap_lora(model: Any, config: FinetuneConfig) -> tuple[Any, tuple[str, ...]]
         raise InvalidParameter(
             f"target_modules={list(targets)!r} matches no module of this {model_type!r} model"
         )
+    conv1d = [_is_conv1d(m) for m in found]
+    if any(conv1d) and not all(conv1d):
+        raise InvalidParameter(
+            f"target_modules={list(targets)!r} mixes GPT-2 Conv1D and other layers: adapt one kind"
+        )
+    return tuple(targets), all(conv1d)
+
+
+def wrap_lora(model: Any, config: FinetuneConfig) -> tuple[Any, tuple[str, ...]]:
+    """``(peft_model, target_modules)``: LoRA adapters on the targets; only they are trainable."""
+    from peft import LoraConfig, get_peft_model
+
+    targets, fan_in_fan_out = _resolve_targets(model, config)
     lora = LoraConfig(
         r=config.lora_rank,
         lora_alpha=config.lora_alpha,  # type: ignore[arg-type]  # peft annotates int, takes float
         lora_dropout=config.lora_dropout,
         target_modules=list(targets),
-        fan_in_fan_out=all(_is_conv1d(m) for m in found),
+        fan_in_fan_out=fan_in_fan_out,
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -297,10 +353,6 @@ def run_finetune(
         FinetuneCancelled: ``should_stop()`` returned True.
     """
     import torch
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from gaussdp.torch import PrivacyEngine
-    from gaussdp.torch.data import split_batch
 
     if not isinstance(config, FinetuneConfig):
         raise TypeError(f"config must be a FinetuneConfig, got {type(config).__name__}")
@@ -327,12 +379,37 @@ def run_finetune(
             raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
     dev = torch.device(device or "cpu")
 
+    with _seeded(seed):  # a seeded run also fixes LoRA's initialisation and the base's dropout
+        return _train(
+            model_path, records, config, plan, progress, should_stop, seed, report_loss, dev,
+            max_physical_batch_size,
+        )  # fmt: skip
+
+
+def _train(
+    model_path: str | Path,
+    records: Sequence[str],
+    config: FinetuneConfig,
+    plan: FinetunePlan,
+    progress: Callable[[FinetuneProgress], None] | None,
+    should_stop: Callable[[], bool] | None,
+    seed: int | None,
+    report_loss: bool,
+    dev: Any,
+    max_physical_batch_size: int | None,
+) -> FinetuneResult:
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gaussdp.torch import PrivacyEngine
+    from gaussdp.torch.data import split_batch
+
     t0 = time.perf_counter()
+    check_model(model_path, config)  # cheap refusals first (no weights loaded)
     model, tokenizer = load_base_model(model_path)
     model_type = str(getattr(model.config, "model_type", ""))
     ids, mask = tokenize_records(tokenizer, records, config.max_seq_len)
-    with _seeded(seed):
-        peft_model, targets = wrap_lora(model, config)
+    peft_model, targets = wrap_lora(model, config)
     peft_model.to(dev)
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(trainable, lr=config.learning_rate)
