@@ -192,6 +192,16 @@ def test_budget_refusal_queues_nothing_and_charges_nothing(rig, perturbed_corpus
             headers=rig.a,
         )
         assert r.status_code == 422 and "model" in r.text
+        # what training would refuse (longer sequences than the model's positions): refused uncharged
+        r = c.post(
+            "/v1/finetune-jobs",
+            json={"corpus_id": corpus["id"], "model": "tiny", "session_id": "poor", "noise_multiplier": 50.0,
+                  "max_seq_len": 4096},
+            headers=rig.a,
+        )  # fmt: skip
+        assert r.status_code == 422 and "max_seq_len" in r.text, r.text
+        assert c.get("/v1/finetune-jobs", headers=rig.a).json() == before
+        assert c.get("/v1/sessions/poor", headers=rig.a).json()["spent"]["epsilon"] == 0.0
 
 
 def test_tenants_never_see_each_others_corpora_jobs_or_adapters(rig, perturbed_corpus):  # type: ignore[no-untyped-def]

@@ -212,6 +212,9 @@ def make_finetune_router(
     """
     import gaussdp.finetune  # noqa: F401  (imported now, not under a request's CPU limit)
 
+    if model_paths:
+        import transformers  # noqa: F401  (check_model reads model configs with it)
+
     root = FsPath(data_dir)
     root.mkdir(parents=True, exist_ok=True)
     Who = Annotated[Caller, Depends(reader)]
@@ -373,7 +376,7 @@ def make_finetune_router(
     @bounded
     def create_job(body: JobIn, who: Releaser) -> JobOut:
         """Plan the job, charge its whole event to the session, then queue it (module docstring)."""
-        from gaussdp.finetune import plan_finetune
+        from gaussdp.finetune import check_model, plan_finetune
 
         corpus = jobs.corpus(who.tenant, body.corpus_id)
         if corpus is None:
@@ -400,7 +403,9 @@ def make_finetune_router(
         config["delta"] = budget.delta
         config["accountant"] = session_accountant  # the plan's epsilon is the ledger's
         del config["corpus_id"], config["model"], config["session_id"]
-        plan = plan_finetune(finetune_config(config), n_records=corpus.records)
+        ft_config = finetune_config(config)
+        plan = plan_finetune(ft_config, n_records=corpus.records)
+        check_model(model_paths[body.model], ft_config)  # what training would refuse: refused uncharged
         event = json.loads(json.dumps(plan.event.to_dict(), sort_keys=True))
         job_id = "job_" + secrets.token_urlsafe(12)
         row = JobRow(
