@@ -16,7 +16,8 @@ skip each other's rows instead of queueing on them); SQLite ``BEGIN IMMEDIATE`` 
 Job states: ``charging`` (row written, charge in flight: never claimed) -> ``queued`` -> ``running``
 -> ``succeeded`` | ``failed`` | ``cancelled``. A running job whose worker stops heartbeating for
 ``lease_s`` (or whose worker process on this host is gone) is marked ``failed`` and never re-run:
-its charge stays, since the noisy steps it took may already have been observed.
+its charge stays, since the noisy steps it took may already have been observed. Heartbeats and the
+lease check use the database's clock, so workers' clocks on other machines do not matter.
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ class JobStore:
             self._path = probe.path
             probe.close()
             self._prefix = ""
+            self._now = "((julianday('now') - 2440587.5) * 86400.0)"  # Unix seconds, sub-second
             self._local = threading.local()
         elif url.startswith(("postgresql://", "postgres://")):
             from psycopg_pool import ConnectionPool
@@ -172,6 +174,7 @@ class JobStore:
             rest = [(k, v) for k, v in query if k not in ("schema", "pool_size", "pool_timeout_s")]
             self.dialect = "postgres"
             self._prefix = f"{schema}."
+            self._now = "extract(epoch from clock_timestamp())::double precision"
             self._pool = ConnectionPool(
                 urlunsplit(parts._replace(query=urlencode(rest))),
                 min_size=1,
@@ -189,7 +192,7 @@ class JobStore:
 
     # -- connections -----------------------------------------------------------------------------
     def _sql(self, sql: str) -> str:
-        sql = sql.replace("{p}", self._prefix)
+        sql = sql.replace("{p}", self._prefix).replace("{now}", self._now)
         return sql.replace("?", "%s") if self.dialect == "postgres" else sql
 
     def _sqlite(self) -> sqlite3.Connection:
@@ -341,7 +344,6 @@ class JobStore:
         """Atomically take the oldest queued job for one of ``models``; None when there is none."""
         if not models:
             return None
-        now = time.time()
         marks = ", ".join("?" for _ in models)
         with self._tx(immediate=True) as x:
             if self.dialect == "postgres":
@@ -353,17 +355,17 @@ class JobStore:
                 if r is None:
                     return None
                 row = x(
-                    "UPDATE {p}gdp_finetune_jobs SET state = 'running', worker = ?, heartbeat_at = ?, "
-                    f"started_at = ?, attempts = attempts + 1 WHERE id = ? RETURNING {_JOB_COLUMNS}",
-                    (worker, now, now, r[0]),
+                    "UPDATE {p}gdp_finetune_jobs SET state = 'running', worker = ?, heartbeat_at = {now}, "
+                    f"started_at = {{now}}, attempts = attempts + 1 WHERE id = ? RETURNING {_JOB_COLUMNS}",
+                    (worker, r[0]),
                 ).fetchone()
             else:
                 row = x(
-                    "UPDATE {p}gdp_finetune_jobs SET state = 'running', worker = ?, heartbeat_at = ?, "
-                    "started_at = ?, attempts = attempts + 1 WHERE state = 'queued' AND id = ("
+                    "UPDATE {p}gdp_finetune_jobs SET state = 'running', worker = ?, heartbeat_at = {now}, "
+                    "started_at = {now}, attempts = attempts + 1 WHERE state = 'queued' AND id = ("
                     f"SELECT id FROM {{p}}gdp_finetune_jobs WHERE state = 'queued' AND model IN ({marks}) "
                     f"ORDER BY created_at, id LIMIT 1) RETURNING {_JOB_COLUMNS}",
-                    (worker, now, now, *models),
+                    (worker, *models),
                 ).fetchone()
         return None if row is None else _job(row)
 
@@ -371,12 +373,11 @@ class JobStore:
         self, job_id: str, worker: str, *, step: int, steps: int, epsilon_so_far: float, loss: float | None
     ) -> bool:
         """Record progress (and heartbeat); True when a cancel was requested (or the job is not ours)."""
-        now = time.time()
         with self._tx() as x:
             x(
                 "UPDATE {p}gdp_finetune_jobs SET step = ?, steps = ?, epsilon_so_far = ?, loss = ?, "
-                "heartbeat_at = ? WHERE id = ? AND worker = ? AND state = 'running'",
-                (step, steps, epsilon_so_far, loss, now, job_id, worker),
+                "heartbeat_at = {now} WHERE id = ? AND worker = ? AND state = 'running'",
+                (step, steps, epsilon_so_far, loss, job_id, worker),
             )
             r = x(
                 "SELECT cancel_requested, state, worker FROM {p}gdp_finetune_jobs WHERE id = ?", (job_id,)
@@ -387,9 +388,9 @@ class JobStore:
         """Extend the lease; True when a cancel was requested (or the job is no longer ours)."""
         with self._tx() as x:
             x(
-                "UPDATE {p}gdp_finetune_jobs SET heartbeat_at = ? "
+                "UPDATE {p}gdp_finetune_jobs SET heartbeat_at = {now} "
                 "WHERE id = ? AND worker = ? AND state = 'running'",
-                (time.time(), job_id, worker),
+                (job_id, worker),
             )
             r = x(
                 "SELECT cancel_requested, state, worker FROM {p}gdp_finetune_jobs WHERE id = ?", (job_id,)
@@ -421,9 +422,10 @@ class JobStore:
         ``lease_s``, or a worker process on this host that no longer exists; and ``charging`` rows
         older than ``charging_grace_s`` (the server died between the charge and the queueing).
         Their charges stay. Returns the ids."""
-        now = time.time()
         failed: list[str] = []
         with self._tx(immediate=True) as x:
+            # the database's clock, as for heartbeats: workers' clocks on other machines may drift
+            now = float(x("SELECT {now}", ()).fetchone()[0])
             rows = x(
                 "SELECT id, state, worker, heartbeat_at, created_at FROM {p}gdp_finetune_jobs "
                 "WHERE state IN ('running', 'charging')",
