@@ -12,7 +12,7 @@ finetune = pytest.importorskip("gaussdp.finetune")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from gaussdp.service.finetune import _CorpusChecker  # noqa: E402
+from gaussdp.service.corpus_check import CorpusChecker  # noqa: E402
 
 WORDS = frozenset({"the", "and", "in", "with", "at", "couldn't"})
 # words end with a space: joined pieces never make a new (non-vocabulary) word
@@ -22,7 +22,7 @@ pieces = st.sampled_from(
 
 
 def _check(data: bytes, fmt: str, vocab: frozenset[str] | None, cuts: list[int]) -> int:
-    c = _CorpusChecker(fmt, vocab, WORDS)
+    c = CorpusChecker(fmt, vocab, WORDS)
     prev = 0
     for cut in [*sorted({min(len(data), x) for x in cuts}), len(data)]:
         if cut > prev:

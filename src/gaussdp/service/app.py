@@ -614,7 +614,7 @@ def create_app(
         from gaussdp.service.finetune import make_finetune_router
         from gaussdp.service.jobs import JobStore
 
-        jobs = JobStore(led.url)
+        jobs = JobStore(_durable_url(led))
         app.state.jobs = jobs
         app.state.model_paths = dict(model_paths or {})
         app.include_router(
@@ -629,6 +629,14 @@ def create_app(
             )
         )
     return app
+
+
+def _durable_url(led: Ledger) -> str:
+    """The database URL of ``led`` (fine-tuning keeps its jobs there), also for ``Ledger(store=...)``."""
+    path = getattr(led.store, "path", None)
+    if not led.url.startswith(("sqlite://", "postgresql://", "postgres://")) and isinstance(path, str):
+        return f"sqlite:///{path}"
+    return led.url
 
 
 def create_text_app() -> FastAPI:

@@ -74,14 +74,22 @@ from typing import Annotated, Any, Literal
 import anyio
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gaussdp._worklimit import no_cpu_limit
 from gaussdp.budget import Ledger, UnknownPrincipal
 from gaussdp.errors import PrivacyError, WorkLimitExceeded
 from gaussdp.service.auth import Caller
+from gaussdp.service.corpus_check import CorpusChecker
+from gaussdp.service.finetune_models import (
+    ID_PATTERN,
+    NAME_PATTERN,
+    CorpusOut,
+    JobIn,
+    JobOut,
+    LocalDP,
+    ModelOut,
+)
 from gaussdp.service.jobs import TERMINAL_STATES, CorpusRow, JobRow, JobStore
-from gaussdp.service.models import SESSION_ID_PATTERN
 from gaussdp.service.responses import responses as error_responses
 from gaussdp.service.worker import adapter_dir, corpus_path, finetune_config
 from gaussdp.text.tokenize import MAX_INPUT_BYTES, words
@@ -90,8 +98,6 @@ __all__ = ["CORPORA_PATH", "MAX_CORPUS_BYTES", "make_finetune_router", "vocabula
 
 MAX_CORPUS_BYTES = MAX_INPUT_BYTES  # 20,000,000 bytes (decimal 20 MB), as gaussdp.text's input limit
 CORPORA_PATH = "/v1/corpora"
-ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
-NAME_PATTERN = r"^[^\x00-\x1f/\\]{1,128}$"
 SSE_POLL_S = 0.5
 SSE_MAX_S = 3600.0  # a stream ends after an hour; the client reconnects
 
@@ -102,93 +108,6 @@ JobId = Annotated[str, Path(pattern=ID_PATTERN, description="The job's id.")]
 def vocabulary_id(vocabulary: Any) -> str:
     """First 16 hex digits of sha256 of the vocabulary's words joined by newlines."""
     return hashlib.sha256("\n".join(vocabulary.words).encode("utf-8")).hexdigest()[:16]
-
-
-# -- bodies ------------------------------------------------------------------------------------------
-class LocalDP(BaseModel):
-    """The local-DP parameters the uploader declares (the server checks the words, not the noise)."""
-
-    mechanism: Literal["gaussian", "laplace"]
-    sigma: float | None = None
-    epsilon: float | None = None
-    vocabulary: str
-
-
-class CorpusOut(BaseModel):
-    id: str
-    name: str
-    format: Literal["lines", "jsonl"]
-    bytes: int
-    records: int
-    sha256: str
-    local_dp: LocalDP | None
-    created_at: float
-
-
-class ModelOut(BaseModel):
-    name: str
-
-
-class LoraIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    rank: int = Field(8, ge=1, le=256)
-    alpha: float = Field(16.0, gt=0, le=1e4, allow_inf_nan=False)
-    target_modules: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.]{1,128}$")]] | None = Field(
-        None,
-        min_length=1,
-        max_length=32,
-        description="Modules to adapt (default: the attention).",
-    )
-
-
-class JobIn(BaseModel):
-    """A DP-LoRA fine-tuning job: exactly one of ``target_epsilon`` and ``noise_multiplier``."""
-
-    model_config = ConfigDict(extra="forbid")
-    corpus_id: str = Field(..., pattern=ID_PATTERN)
-    model: str = Field(..., min_length=1, max_length=128, description="A name from GET /v1/models.")
-    session_id: str = Field(..., pattern=SESSION_ID_PATTERN, description="The session that pays.")
-    lora: LoraIn = Field(default_factory=lambda: LoraIn.model_validate({}))
-    target_epsilon: float | None = Field(None, gt=0, le=1e3, allow_inf_nan=False)
-    noise_multiplier: float | None = Field(None, gt=0, le=1e4, allow_inf_nan=False)
-    delta: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False, description="Default: the session's.")
-    epochs: int = Field(1, ge=1, le=100)
-    batch_size: int = Field(8, ge=1, le=4096)
-    learning_rate: float = Field(1e-3, gt=0, le=10, allow_inf_nan=False)
-    max_seq_len: int = Field(64, ge=4, le=4096)
-    clip_norm: float = Field(1.0, gt=0, le=1e4, allow_inf_nan=False)
-
-    @model_validator(mode="after")
-    def _one_noise_spec(self) -> "JobIn":
-        if (self.target_epsilon is None) == (self.noise_multiplier is None):
-            raise ValueError("give exactly one of target_epsilon and noise_multiplier")
-        return self
-
-
-class JobOut(BaseModel):
-    id: str
-    state: Literal["queued", "running", "succeeded", "failed", "cancelled", "charging"]
-    corpus_id: str
-    model: str
-    session_id: str
-    step: int
-    steps: int
-    epsilon: float = Field(..., description="The plan's epsilon at delta (the whole run), charged up front.")
-    delta: float
-    epsilon_so_far: float = Field(..., description="Epsilon of the steps done so far (at delta).")
-    loss: float | None = Field(
-        None,
-        description="Always null: the training loss is computed from the records without noise, "
-        "so it is not covered by the guarantee and is not released.",
-    )
-    error: str | None
-    noise_multiplier: float | None
-    sample_rate: float | None
-    charge_id: int | None
-    cancel_requested: bool
-    created_at: float
-    started_at: float | None
-    finished_at: float | None
 
 
 # -- the router --------------------------------------------------------------------------------------
@@ -300,7 +219,7 @@ def make_finetune_router(
         final = corpus_path(root, who.tenant, corpus_id, format)
         final.parent.mkdir(parents=True, exist_ok=True)
         part = final.with_name(final.name + ".part")
-        checker = _CorpusChecker(format, words_all if mechanism else None, words_clean)
+        checker = CorpusChecker(format, words_all if mechanism else None, words_clean)
         digest = hashlib.sha256()
         size = 0
         try:
@@ -572,87 +491,3 @@ def _job_out(j: JobRow, plan: Any = None) -> JobOut:
         started_at=j.started_at,
         finished_at=j.finished_at,
     )
-
-
-class _CorpusChecker:
-    """Counts records and checks lines as the body streams in (one chunk at a time, bounded memory).
-
-    Records and line numbers follow :func:`gaussdp.finetune.read_corpus`: lines split on ``\\n``,
-    stripped, empty ones skipped; JSONL lines are objects with a string ``text``.
-    """
-
-    _MAX_LINE = 1_000_000  # a longer line is refused (it would be held in memory while incomplete)
-
-    def __init__(self, fmt: str, vocab: frozenset[str] | None, clean: frozenset[str]) -> None:
-        self.fmt, self.vocab, self.clean = fmt, vocab, clean
-        self.records = 0
-        self.lineno = 0
-        self._tail = b""
-        self._first = True
-
-    def feed(self, chunk: bytes) -> None:
-        data = self._tail + chunk
-        cut = data.rfind(b"\n")
-        if cut < 0:
-            self._tail = data
-            if len(data) > self._MAX_LINE:
-                raise HTTPException(422, f"corpus line {self.lineno + 1} is over {self._MAX_LINE} bytes")
-            return
-        self._tail = data[cut + 1 :]
-        self._lines(data[: cut + 1])
-
-    def finish(self) -> None:
-        if self._tail:
-            self._lines(self._tail + b"\n")
-            self._tail = b""
-        if self.records == 0:
-            raise HTTPException(422, "the corpus holds no record (every line is empty)")
-
-    def _lines(self, block: bytes) -> None:
-        if self._first and block.startswith(b"\xef\xbb\xbf"):
-            block = block[3:]
-        self._first = False
-        raw_lines = block.split(b"\n")[:-1]
-        if self.fmt == "lines" and self.vocab is not None:
-            # Fast path: whitespace-separated words all of which are one-token vocabulary words
-            # (what perturbation outputs) need no per-line work.
-            try:
-                text = block.decode("utf-8")
-            except UnicodeDecodeError:
-                text = None
-            if text is not None and set(text.split()) <= self.clean:
-                # str.strip, as read_corpus: a line of Unicode spaces only is no record
-                self.records += sum(1 for line in text.split("\n")[:-1] if line.strip())
-                self.lineno += len(raw_lines)
-                return
-        for raw in raw_lines:
-            self.lineno += 1
-            try:
-                line = raw.decode("utf-8").rstrip("\r").strip()
-            except UnicodeDecodeError as exc:
-                raise HTTPException(
-                    422, f"corpus line {self.lineno} is not valid UTF-8 (byte {exc.start + 1})"
-                ) from None
-            if not line:
-                continue
-            if self.fmt == "jsonl":
-                try:
-                    obj = json.loads(line)
-                except ValueError:
-                    raise HTTPException(422, f"corpus line {self.lineno} is not valid JSON") from None
-                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                    raise HTTPException(
-                        422, f"corpus line {self.lineno}: a JSON object with a string 'text' field is needed"
-                    )
-                line = obj["text"].strip()
-                if not line:
-                    continue
-            if self.vocab is not None and any(w not in self.vocab for w in words(line)):
-                # never echo the words: they may be raw text
-                raise HTTPException(
-                    422,
-                    f"corpus line {self.lineno} holds a token that is not a word of this server's "
-                    "vocabulary: "
-                    "it was declared perturbed by gaussdp's mechanism, which outputs vocabulary words only",
-                )
-            self.records += 1
