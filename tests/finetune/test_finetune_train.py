@@ -218,3 +218,17 @@ def test_check_model_refuses_before_any_weight_is_loaded(tiny_model_dir, tmp_pat
     (tmp_path / "config.json").unlink()
     with pytest.raises(InvalidParameter, match="no Hugging Face model config"):
         check_model(tmp_path, CONFIG)
+
+
+def test_empty_poisson_batches_still_take_a_noised_step(tiny_model_dir):
+    # 3 records at sample rate 1/3: about 30% of the steps draw no record. The seed fixes which
+    # (a seeded run is not private; here it only makes the empty batches certain).
+    cfg = FinetuneConfig(noise_multiplier=2.0, delta=1e-5, batch_size=1, epochs=4, max_seq_len=8)
+    plan = plan_finetune(cfg, n_records=3)
+    with pytest.warns(NotPrivateWarning):
+        res = run_finetune(
+            tiny_model_dir, ["the cat sat", "a dog ran", "it rained"], cfg, plan, seed=1, report_loss=True
+        )
+    empty = [loss != loss for loss in res.losses]  # nan: no record in that step's batch
+    assert res.steps_done == plan.steps == 12 and any(empty) and not all(empty)
+    assert res.epsilon == plan.epsilon

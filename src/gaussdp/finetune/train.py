@@ -444,6 +444,12 @@ def _train(
             total, count = 0.0, 0
             for k, (c_ids, c_mask) in enumerate(chunks):
                 dp_optimizer.signal_skip_step(do_skip=k < len(chunks) - 1)
+                if len(c_ids) == 0:
+                    # an empty Poisson batch: nothing to clip, but the step still releases noise
+                    # (and is charged), as the accountant assumes; HF models refuse 0-row inputs
+                    dp_optimizer.step()
+                    dp_optimizer.zero_grad()
+                    continue
                 c_ids, c_mask = c_ids.to(dev), c_mask.to(dev)
                 per_rec = per_record_loss(peft_model, c_ids, c_mask)
                 per_rec.sum().backward()
