@@ -258,11 +258,15 @@ def profile_steps(jobs: Jobs) -> None:
     """Where a DP step's time goes, beside the non-private step's (torch profiler, self CPU time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    for m in ("plain", "dp"):
+    batches = []
+    for m in ("dp", "plain"):  # the DP job draws each batch from its loader; the twin reuses them
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(5):
-                b = jobs.next_batch()
-                (jobs.dp_step if m == "dp" else jobs.plain_step)(b)
+            for i in range(5):
+                if m == "dp":
+                    batches.append(jobs.next_batch())
+                    jobs.dp_step(batches[i])
+                elif len(batches[i][0]):
+                    jobs.plain_step(batches[i])
         print(f"\nprofile, 5 steps, {m}:")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
