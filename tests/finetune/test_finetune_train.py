@@ -55,6 +55,7 @@ def test_run_follows_the_plan_and_reports_progress(trained):
     assert result.private
     assert "keystream" in result.noise_stream or "OS CSPRNG" in result.noise_stream
     assert result.target_modules == ("c_attn",) and result.tokens > 0
+    assert 0 < result.train_seconds < result.seconds
     # only the LoRA parameters were trainable
     names = [n for n, p in result.peft_model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
@@ -163,6 +164,8 @@ def test_off_plan_runs_are_refused(tiny_model_dir, lee_lines, tmp_path):
         run_finetune(tiny_model_dir, [lee_lines[0], "  ", *lee_lines[2:]], CONFIG, plan)
     with pytest.raises(InvalidParameter, match="model_path"):
         run_finetune(tmp_path / "nowhere", lee_lines, CONFIG, plan)
+    with pytest.raises(InvalidParameter, match="device"):
+        run_finetune(tiny_model_dir, lee_lines, CONFIG, plan, device="warp-drive")
     bad_targets = FinetuneConfig(**{**CONFIG.to_dict(), "target_modules": ("q_proj",)})
     with pytest.raises(InvalidParameter, match="target_modules"):
         run_finetune(
