@@ -20,7 +20,9 @@ plan. A job that reports progress also computes epsilon after every step: its co
 
 Memory: peak bytes of live tensor storages during one step (parameters, gradients, optimizer state,
 activations, temporaries; ``PeakMemory`` from ``bench_dpsgd.py``, a ``TorchDispatchMode`` that sees
-every op's output), for each method on the same batch. Not tracemalloc (it does not see torch's
+every op's output), for each method on the same batch; and the peak above the state during
+backward + optimizer step alone, where the DP work happens (the whole step's peak is the forward's,
+with the logits, for these models). Not tracemalloc (it does not see torch's
 allocations) and not the RSS (dominated by the libraries).
 
 Run: ``.venv/bin/python benchmarks/bench_finetune.py [--reps 7] [--block 5] [--only a,b,c] [--profile]``
@@ -154,10 +156,27 @@ class Jobs:
 
 
 def peak(jobs: Jobs, which: str, batch: tuple[Any, Any]) -> int:
+    """Peak live bytes during one whole step (state included)."""
     tracker = PeakMemory(*jobs.live(which, batch))
     with tracker:
         (jobs.dp_step if which == "dp" else jobs.plain_step)(batch)
     return tracker.peak
+
+
+def backward_peak(jobs: Jobs, which: str, batch: tuple[Any, Any]) -> int:
+    """Peak live bytes above the state during backward + optimizer step only: where the DP work
+    (per-sample norms, clipping, noise) happens; the whole step's peak is usually the forward's."""
+    model = jobs.dp_model if which == "dp" else jobs.plain_model
+    opt = jobs.dp_opt if which == "dp" else jobs.plain_opt
+    per = per_record_loss(model, *batch)
+    loss = per.sum() if which == "dp" else per.mean()
+    tracker = PeakMemory(*jobs.live(which, batch))
+    base = tracker.current
+    with tracker:
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return tracker.peak - base
 
 
 def run_case(case: str, reps: int, block: int, profile: bool) -> None:
@@ -201,6 +220,8 @@ def run_case(case: str, reps: int, block: int, profile: bool) -> None:
     eps_cost = (time.thread_time() - t0) / len(ks)
     b = jobs.next_batch()
     mem = {m: peak(jobs, m, b) for m in ("dp", "plain")}
+    b = jobs.next_batch()
+    bwd = {m: backward_peak(jobs, m, b) for m in ("dp", "plain")}
 
     ratio_w = statistics.median(d / p for d, p in zip(wall["dp"], wall["plain"], strict=True))
     ratio_c = statistics.median(d / p for d, p in zip(cpu["dp"], cpu["plain"], strict=True))
@@ -224,7 +245,11 @@ def run_case(case: str, reps: int, block: int, profile: bool) -> None:
         f"time ratio DP / non-private: {ratio_w:.2f}x wall, {ratio_c:.2f}x CPU (goal <= 1.25x); "
         f"with per-step epsilon for progress ({eps_cost * 1e3:.1f} ms CPU each): {ratio_prog:.2f}x CPU"
     )
-    print(f"peak memory ratio DP / non-private: {mem['dp'] / mem['plain']:.2f}x (live tensor storages)")
+    print(
+        f"peak memory ratio DP / non-private: {mem['dp'] / mem['plain']:.2f}x (live tensor storages, whole "
+        f"step); backward + step alone: {bwd['dp'] / 2**20:.2f} vs {bwd['plain'] / 2**20:.2f} MiB above the "
+        f"state = {bwd['dp'] / bwd['plain']:.2f}x"
+    )
     if profile:
         profile_steps(jobs)
 
@@ -233,11 +258,15 @@ def profile_steps(jobs: Jobs) -> None:
     """Where a DP step's time goes, beside the non-private step's (torch profiler, self CPU time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    for m in ("plain", "dp"):
+    batches = []
+    for m in ("dp", "plain"):  # the DP job draws each batch from its loader; the twin reuses them
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(5):
-                b = jobs.next_batch()
-                (jobs.dp_step if m == "dp" else jobs.plain_step)(b)
+            for i in range(5):
+                if m == "dp":
+                    batches.append(jobs.next_batch())
+                    jobs.dp_step(batches[i])
+                elif len(batches[i][0]):
+                    jobs.plain_step(batches[i])
         print(f"\nprofile, 5 steps, {m}:")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 

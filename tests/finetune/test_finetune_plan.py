@@ -129,6 +129,8 @@ def test_plan_bounds_and_round_trip():
     assert plan_finetune(FinetuneConfig(delta=1e-5, noise_multiplier=0.01), n_records=10).epsilon > 1000
     plan = plan_finetune(FinetuneConfig(**OK), n_records=100)
     assert FinetunePlan.from_dict(plan.to_dict()) == plan
+    with pytest.raises(TypeError, match=r"plan\.steps"):
+        FinetunePlan.from_dict({**plan.to_dict(), "steps": "7"})
     forged = {**plan.to_dict(), "epsilon": plan.epsilon / 2}
     with pytest.raises(InvalidParameter, match="below the accountant"):
         FinetunePlan.from_dict(forged)

@@ -55,6 +55,7 @@ def test_run_follows_the_plan_and_reports_progress(trained):
     assert result.private
     assert "keystream" in result.noise_stream or "OS CSPRNG" in result.noise_stream
     assert result.target_modules == ("c_attn",) and result.tokens > 0
+    assert 0 < result.train_seconds < result.seconds
     # only the LoRA parameters were trainable
     names = [n for n, p in result.peft_model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
@@ -163,6 +164,8 @@ def test_off_plan_runs_are_refused(tiny_model_dir, lee_lines, tmp_path):
         run_finetune(tiny_model_dir, [lee_lines[0], "  ", *lee_lines[2:]], CONFIG, plan)
     with pytest.raises(InvalidParameter, match="model_path"):
         run_finetune(tmp_path / "nowhere", lee_lines, CONFIG, plan)
+    with pytest.raises(InvalidParameter, match="device"):
+        run_finetune(tiny_model_dir, lee_lines, CONFIG, plan, device="warp-drive")
     bad_targets = FinetuneConfig(**{**CONFIG.to_dict(), "target_modules": ("q_proj",)})
     with pytest.raises(InvalidParameter, match="target_modules"):
         run_finetune(
@@ -218,3 +221,17 @@ def test_check_model_refuses_before_any_weight_is_loaded(tiny_model_dir, tmp_pat
     (tmp_path / "config.json").unlink()
     with pytest.raises(InvalidParameter, match="no Hugging Face model config"):
         check_model(tmp_path, CONFIG)
+
+
+def test_empty_poisson_batches_still_take_a_noised_step(tiny_model_dir):
+    # 3 records at sample rate 1/3: about 30% of the steps draw no record. The seed fixes which
+    # (a seeded run is not private; here it only makes the empty batches certain).
+    cfg = FinetuneConfig(noise_multiplier=2.0, delta=1e-5, batch_size=1, epochs=4, max_seq_len=8)
+    plan = plan_finetune(cfg, n_records=3)
+    with pytest.warns(NotPrivateWarning):
+        res = run_finetune(
+            tiny_model_dir, ["the cat sat", "a dog ran", "it rained"], cfg, plan, seed=1, report_loss=True
+        )
+    empty = [loss != loss for loss in res.losses]  # nan: no record in that step's batch
+    assert res.steps_done == plan.steps == 12 and any(empty) and not all(empty)
+    assert res.epsilon == plan.epsilon

@@ -194,6 +194,7 @@ def finetune(
                 "trainable_parameters": result.trainable_parameters,
                 "tokens": result.tokens,
                 "seconds": result.seconds,
+                "train_seconds": result.train_seconds,
                 "first_loss": result.losses[0] if result.losses else None,
                 "last_loss": result.losses[-1] if result.losses else None,
             }
@@ -201,8 +202,8 @@ def finetune(
         return
     console.print(
         f"trained {result.trainable_parameters} LoRA parameters for {result.steps_done} steps "
-        f"({result.tokens} tokens, {result.seconds:.1f} s); epsilon spent {epsilon_text(result.epsilon)} at "
-        f"delta={plan.delta:g}"
+        f"({result.tokens} tokens in {result.train_seconds:.1f} s); epsilon spent "
+        f"{epsilon_text(result.epsilon)} at delta={plan.delta:g}"
     )
     console.print(f"adapter written to {path}; model card: {card}")
 

@@ -283,6 +283,21 @@ class FinetunePlan:
     event: Event = field(repr=False)
     neighbouring: str = "add_remove"
 
+    def __post_init__(self) -> None:
+        # types only (a plan read back from a database must hold numbers); check_plan checks that
+        # the numbers agree with each other and with the accountant
+        for name in ("n_records", "steps_per_epoch", "epochs", "steps"):
+            _int(f"plan.{name}", getattr(self, name), 1, 10**12)
+        for name in ("sample_rate", "expected_batch_size", "noise_multiplier", "clip_norm", "epsilon"):
+            check_positive(f"plan.{name}", getattr(self, name))
+        check_delta(self.delta, "plan.delta")
+        if self.target_epsilon is not None:
+            check_epsilon(self.target_epsilon, "plan.target_epsilon")
+        if not isinstance(self.accountant, str) or not isinstance(self.neighbouring, str):
+            raise TypeError("plan.accountant and plan.neighbouring must be strings")
+        if not isinstance(self.event, Event):
+            raise TypeError(f"plan.event must be a gaussdp Event, got {type(self.event).__name__}")
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values, the event as ``event.to_dict()``; :meth:`from_dict` reads them back."""
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -101,7 +101,9 @@ class FinetuneResult:
         target_modules: the modules that got LoRA adapters.
         trainable_parameters, total_parameters: parameter counts.
         tokens: non-padding tokens processed (all steps).
-        seconds: wall-clock training time.
+        seconds: wall-clock time of the whole call (loading, tokenising, training).
+        train_seconds: wall-clock time of the training steps alone (``tokens / train_seconds`` is
+            the training throughput).
     """
 
     peft_model: Any
@@ -120,6 +122,7 @@ class FinetuneResult:
     total_parameters: int
     tokens: int
     seconds: float
+    train_seconds: float
 
 
 def _model_config(model_path: str | Path) -> tuple[Path, Any]:
@@ -377,7 +380,14 @@ def run_finetune(
     for name, fn in (("progress", progress), ("should_stop", should_stop)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
-    dev = torch.device(device or "cpu")
+    try:
+        dev = torch.device(device or "cpu")
+    except (RuntimeError, TypeError):
+        raise InvalidParameter(
+            f"device must be a torch device name such as 'cpu', got device={device!r}"
+        ) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidParameter(f"device={device!r}: CUDA is not available here")
 
     with _seeded(seed):  # a seeded run also fixes LoRA's initialisation and the base's dropout
         return _train(
@@ -436,6 +446,7 @@ def _train(
         losses: list[float] = []
         tokens = 0
         step = 0
+        t_train = time.perf_counter()
         for batch in _batches(dp_loader, plan.epochs):
             if should_stop is not None and should_stop():
                 raise FinetuneCancelled(step, _epsilon_after(plan, step))
@@ -444,6 +455,12 @@ def _train(
             total, count = 0.0, 0
             for k, (c_ids, c_mask) in enumerate(chunks):
                 dp_optimizer.signal_skip_step(do_skip=k < len(chunks) - 1)
+                if len(c_ids) == 0:
+                    # an empty Poisson batch: nothing to clip, but the step still releases noise
+                    # (and is charged), as the accountant assumes; HF models refuse 0-row inputs
+                    dp_optimizer.step()
+                    dp_optimizer.zero_grad()
+                    continue
                 c_ids, c_mask = c_ids.to(dev), c_mask.to(dev)
                 per_rec = per_record_loss(peft_model, c_ids, c_mask)
                 per_rec.sum().backward()
@@ -458,6 +475,7 @@ def _train(
                 losses.append(loss if loss is not None else math.nan)
             if progress is not None:
                 progress(FinetuneProgress(step, plan.steps, _epsilon_after(plan, step), loss))
+        train_seconds = time.perf_counter() - t_train
         if engine.steps != plan.steps or step != plan.steps:
             raise RuntimeError(f"took {engine.steps} steps, the plan {plan.steps}")
         # The engine composed the same events one step at a time; its PLD discretisation may differ
@@ -490,6 +508,7 @@ def _train(
         total_parameters=sum(p.numel() for p in peft_model.parameters()),
         tokens=tokens,
         seconds=time.perf_counter() - t0,
+        train_seconds=train_seconds,
     )
 
 
