@@ -132,6 +132,10 @@ def test_end_to_end_perturbed_corpus_to_private_adapter(rig, perturbed_corpus, t
     assert _card_epsilon(card) == pytest.approx(expected, rel=1e-9)
     assert session_after["spent"]["epsilon"] == pytest.approx(expected, rel=1e-9)
     assert job["epsilon"] == pytest.approx(expected, rel=1e-9)
+    print(
+        f"steps={job['steps']} card epsilon={_card_epsilon(card)!r} "
+        f"ledger spent={session_after['spent']['epsilon']!r} pld accountant={expected!r} (delta=1e-5)"
+    )
     assert "perturbed" in (out / "README.md").read_text().lower() or card.get("local_dp")
 
     base = transformers.AutoModelForCausalLM.from_pretrained(rig.model, local_files_only=True)
@@ -382,6 +386,7 @@ def test_oversized_upload_is_refused_before_it_is_read(rig):  # type: ignore[no-
     assert b"20000000" in answer
     assert sent < 25_000_000, sent  # the server stopped it: the rest was never sent
     grew_mib = (_vm_hwm_kib(pid) - hwm0) / 1024
+    print(f"chunked: 413 after {sent} bytes sent; server VmHWM {hwm0} KiB -> grew {grew_mib:.2f} MiB")
     assert grew_mib < 15, f"server peak memory grew by {grew_mib:.1f} MiB"
     with httpx.Client(base_url=rig.server.url) as c:
         assert len(c.get("/v1/corpora", headers=rig.a).json()) == n_before
