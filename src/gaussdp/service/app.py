@@ -36,6 +36,7 @@ import importlib.util
 import json
 import logging
 import math
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -123,6 +124,8 @@ def create_app(
     rate_limit_burst: int | None = None,
     text: Literal["keyed", "public", "off"] = "keyed",
     metrics: Literal["keyed", "public", "off"] = "keyed",
+    data_dir: str | None = None,
+    model_paths: Mapping[str, str] | None = None,
 ) -> FastAPI:
     """Build the service over a ledger (opened from ``ledger_url`` unless ``ledger`` is given).
 
@@ -148,6 +151,11 @@ def create_app(
         metrics: ``/metrics`` in Prometheus text format (:mod:`gaussdp.service.metrics`):
             ``"keyed"`` (default: an ``admin`` key; tenant names are labels), ``"public"`` (for a
             scraper on a private network), or ``"off"``.
+        data_dir: where uploaded corpora and trained adapters live; given, the fine-tuning routes
+            (:mod:`gaussdp.service.finetune`) are served (they need a durable ledger and the
+            ``torch`` extra; jobs are trained by :mod:`gaussdp.service.worker` processes).
+        model_paths: base models fine-tuning jobs may name: name -> local directory (``gaussdp serve
+            --model NAME=PATH``); never from a request.
     """
     if metrics not in ("keyed", "public", "off"):
         raise ValueError(f"metrics must be 'keyed', 'public' or 'off', got metrics={metrics!r}")
@@ -167,6 +175,9 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        jobs_store = getattr(app.state, "jobs", None)
+        if jobs_store is not None:
+            jobs_store.close()
         if owns_ledger:
             led.close()
 
@@ -177,7 +188,12 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.ledger = led
-    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes, path_limits=_ckks_body_limits(ckks))
+    path_limits = _ckks_body_limits(ckks)
+    if data_dir is not None:
+        from gaussdp.service.finetune import CORPORA_PATH, MAX_CORPUS_BYTES
+
+        path_limits[re.escape(CORPORA_PATH)] = MAX_CORPUS_BYTES  # corpora have their own limit
+    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes, path_limits=path_limits)
 
     def refused(reason: str) -> None:
         if stats is not None:
@@ -644,7 +660,33 @@ def create_app(
     if text != "off":
         keyed = [Depends(needs("release"))] if text == "keyed" else []
         _include_optional_routers(app, keyed)
+    if data_dir is not None:
+        from gaussdp.service.finetune import make_finetune_router
+        from gaussdp.service.jobs import JobStore
+
+        jobs = JobStore(_durable_url(led))
+        app.state.jobs = jobs
+        app.state.model_paths = dict(model_paths or {})
+        app.include_router(
+            make_finetune_router(
+                ledger=led,
+                jobs=jobs,
+                data_dir=data_dir,
+                model_paths=app.state.model_paths,
+                reader=needs("read"),
+                releaser=needs("release"),
+                bounded=bounded,
+            )
+        )
     return app
+
+
+def _durable_url(led: Ledger) -> str:
+    """The database URL of ``led`` (fine-tuning keeps its jobs there), also for ``Ledger(store=...)``."""
+    path = getattr(led.store, "path", None)
+    if not led.url.startswith(("sqlite://", "postgresql://", "postgres://")) and isinstance(path, str):
+        return f"sqlite:///{path}"
+    return led.url
 
 
 def create_text_app() -> FastAPI:

@@ -23,11 +23,14 @@ __all__ = ["BodySizeLimit", "BodyTooLarge", "RateLimiter"]
 
 
 class BodyTooLarge(HTTPException):
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, *, own_limit: bool = False) -> None:
+        hint = (
+            "this route's own limit (decimal bytes); split the upload"
+            if own_limit
+            else "max_body_bytes); send a smaller vector or use vector_b64 (4 bytes per float32"
+        )
         super().__init__(
-            status_code=413,
-            detail=f"request body too large: the limit is {limit} bytes (max_body_bytes); "
-            "send a smaller vector or use vector_b64 (4 bytes per float32)",
+            status_code=413, detail=f"request body too large: the limit is {limit} bytes ({hint})"
         )
 
 
@@ -42,7 +45,8 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        limit = next((n for rx, n in self.path_limits if rx.fullmatch(path)), self.max_body_bytes)
+        own = next((n for rx, n in self.path_limits if rx.fullmatch(path)), None)
+        limit = self.max_body_bytes if own is None else own
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
@@ -51,7 +55,7 @@ class BodySizeLimit:
                     await _reply(send, 400, "invalid Content-Length header")
                     return
                 if declared > limit:
-                    await _reply(send, 413, BodyTooLarge(limit).detail)
+                    await _reply(send, 413, BodyTooLarge(limit, own_limit=own is not None).detail)
                     return
         received = 0
         started = False
@@ -62,7 +66,7 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise BodyTooLarge(limit)
+                    raise BodyTooLarge(limit, own_limit=own is not None)
             return message
 
         async def tracking_send(message: Any) -> None:
