@@ -23,7 +23,8 @@ def rig(tmp_path_factory, tiny_model):  # type: ignore[no-untyped-def]
     """One server for the module: tenants a and b, each with a key."""
     from types import SimpleNamespace
 
-    from conftest import start_ft_server
+    from ftserver import start_ft_server
+
     from gaussdp.budget import Ledger
     from gaussdp.service.keys import create_api_key
 

@@ -23,8 +23,8 @@ N_JOBS = 4
 
 def test_two_workers_run_each_queued_job_exactly_once(tmp_path, tiny_model, perturbed_corpus):  # type: ignore[no-untyped-def]
     from fastapi.testclient import TestClient
+    from ftserver import subprocess_env
 
-    from conftest import subprocess_env
     from gaussdp.budget import Ledger
     from gaussdp.service.app import create_app
     from gaussdp.service.jobs import JobStore

@@ -26,7 +26,8 @@ def _wait(predicate, timeout: float = 180.0, what: str = ""):  # type: ignore[no
 
 
 def test_a_job_interrupted_by_a_crash_is_failed_not_rerun(tmp_path, tiny_model, perturbed_corpus):  # type: ignore[no-untyped-def]
-    from conftest import start_ft_server
+    from ftserver import start_ft_server
+
     from gaussdp.budget import Ledger
     from gaussdp.service.jobs import JobStore
     from gaussdp.service.keys import create_api_key
