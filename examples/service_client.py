@@ -129,8 +129,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         print(json.dumps(result))
     else:
         print(
-            f"{result['contributors']} contributors, each charged epsilon={result['epsilon_per_contributor']:.3f}"
-            f" (delta={args.delta:g}, add/remove of its image); a second request: "
+            f"{result['contributors']} contributors, each charged "
+            f"epsilon={result['epsilon_per_contributor']:.3f} (delta={args.delta:g}, "
+            "add/remove of its image); "
+            "a second request: "
             f"{result['second_request_status']} {result['second_request_error']}; nearest-centroid test "
             f"accuracy {result['test_accuracy']:.3f}"
         )
