@@ -98,7 +98,7 @@ def save_checkpoint(
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     keys = list(arrays.keys())
-    data = {f"a{i}": a for i, a in enumerate(arrays.to_numpy_ndarrays())}
+    data: dict[str, Any] = {f"a{i}": a for i, a in enumerate(arrays.to_numpy_ndarrays())}
     meta = {"round": int(round_num), "clip_norm": float(clip_norm), "keys": keys}
     fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
     try:

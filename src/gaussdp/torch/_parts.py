@@ -306,7 +306,7 @@ class ConvPart:
 
     @property
     def batch_size(self) -> int:
-        return int(self.b.shape[0]) if self.b is not None else int(self._ps.shape[0])  # type: ignore[union-attr]
+        return int(self.b.shape[0]) if self.b is not None else int(self._ps.shape[0])
 
     def stored(self) -> int:
         if self._ps is not None:

@@ -585,10 +585,10 @@ def _unwrap_ddp(module: nn.Module) -> nn.Module:
     is not a dependency), else ``module``."""
     if isinstance(module, nn.parallel.DistributedDataParallel):
         return module.module
-    if type(module).__name__ == "DifferentiallyPrivateDistributedDataParallel" and isinstance(
-        getattr(module, "module", None), nn.Module
-    ):
-        return module.module
+    inner = getattr(module, "module", None)
+    dpddp = type(module).__name__ == "DifferentiallyPrivateDistributedDataParallel"
+    if dpddp and isinstance(inner, nn.Module):
+        return inner
     return module
 
 
