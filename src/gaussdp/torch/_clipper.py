@@ -687,7 +687,8 @@ class PerSampleClipper:
         sq = None
         parts: dict[nn.Parameter, Part] = {}
         for p, (part, early) in built.items():
-            assert part is not None or early is not None
+            if part is None and early is None:
+                raise RuntimeError(f"internal: parameter {tuple(p.shape)} has neither a part nor its norms")
             s = early if early is not None else part.sq_norms()  # type: ignore[union-attr]
             sq = s if sq is None else sq + s.to(sq.dtype)
             if part is None:
@@ -697,7 +698,8 @@ class PerSampleClipper:
             else:
                 parts[p] = part
         del built
-        assert sq is not None
+        if sq is None:
+            raise RuntimeError("internal: a pass ended with no per-sample norms")
         scale = self._scale(b)
         norms = sq.sqrt() * scale
         if not bool(torch.isfinite(norms).all()):

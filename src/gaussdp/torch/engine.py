@@ -526,7 +526,8 @@ class PrivacyEngine:
         non-private for good (get_epsilon is then inf)."""
         from gaussdp.accounting import GaussianEvent, SubsampledGaussianEvent
 
-        assert self.sample_rate is not None
+        if self.sample_rate is None:
+            raise RuntimeError("a step was charged before make_private set the sample rate")
         if sigma <= 0:
             if not self.accountant.unnoised_steps and self.noise_multiplier:
                 warnings.warn(

@@ -213,7 +213,8 @@ def _replacement(name: str, m: nn.Module, max_groups: int) -> nn.Module:
 
 
 def _rnn_replacement(where: str, m: nn.Module) -> nn.Module:
-    assert isinstance(m, nn.RNNBase)
+    if not isinstance(m, nn.RNNBase):
+        raise TypeError(f"{where}: expected a recurrent module (nn.RNNBase), got {type(m).__name__}")
     if type(m) not in (nn.LSTM, nn.GRU, nn.RNN):
         raise InvalidParameter(
             f"{where} ({type(m).__name__}) is a subclass of a fused RNN: replace it by hand"
