@@ -37,16 +37,16 @@ def digits(limit: int | None) -> tuple[TensorDataset, TensorDataset]:
 
 def batchnorm_cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1),
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),  # 4x4
+        nn.Conv2d(8, 16, 3, padding=1),
         nn.BatchNorm2d(16),
         nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1),
-        nn.BatchNorm2d(32),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
+        nn.MaxPool2d(2),  # 2x2
         nn.Flatten(),
-        nn.Linear(32, 10),
+        nn.Linear(16 * 2 * 2, 10),
     )
 
 

@@ -73,15 +73,17 @@ def test_fence_languages_are_known(page: Path) -> None:
     assert langs <= NOT_RUN | {"python"}, f"{page}: unknown fence language(s) {langs - NOT_RUN}"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(DOCS).as_posix())
-def test_python_blocks_run(page: Path) -> None:
+def run_page(page: Path) -> tuple[int, list[str]]:
+    """Run a page's python blocks in order in one namespace; (blocks run, skip reasons).
+
+    Raises AssertionError naming the page and block when a doctest fails; a script block's own
+    exception propagates.
+    """
     code = [body for lang, body in blocks(page.read_text(encoding="utf-8")) if lang == "python"]
-    if not code:
-        pytest.skip("no python block on this page")
     parser = doctest.DocTestParser()
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     globs: dict[str, object] = {"__name__": "__docs__"}
-    skipped: list[str] = []
+    ran, skipped = 0, []
     with warnings.catch_warnings():
         # pages show seeded (not private) examples on purpose; the warning is part of the text
         warnings.simplefilter("ignore")
@@ -97,8 +99,37 @@ def test_python_blocks_run(page: Path) -> None:
                 assert not result.failed, f"{page} block {i} failed (doctest output above)"
             else:
                 exec(compile(body, f"{page} block {i}", "exec"), globs)
-    if skipped and len(skipped) == len(code):
-        pytest.skip("; ".join(skipped))
+            ran += 1
+    return ran, skipped
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(DOCS).as_posix())
+def test_python_blocks_run(page: Path) -> None:
+    ran, skipped = run_page(page)
+    if not ran:
+        pytest.skip("; ".join(skipped) or "no python block on this page")
+
+
+def test_the_runner_fails_on_wrong_output_and_shares_names(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("```python\nx = 2\n```\n\n```python\n>>> x + 1\n3\n\n```\n")
+    assert run_page(page) == (2, [])  # the second block sees the first block's x
+    page.write_text("```python\n>>> 1 + 1\n3\n\n```\n")
+    with pytest.raises(AssertionError, match="block 0 failed"):
+        run_page(page)
+    page.write_text("```python\nraise RuntimeError('boom')\n```\n")
+    with pytest.raises(RuntimeError, match="boom"):
+        run_page(page)
+
+
+def test_skip_markers_need_a_reason(tmp_path: Path) -> None:
+    assert skip_reason("# docs-test: requires no_such_module_xyz\nimport x\n") == "needs no_such_module_xyz"
+    assert skip_reason("# docs-test: requires json\nimport json\n") is None  # importable: it runs
+    assert skip_reason("# docs-test: skip -- needs a GPU and a 7B model\n") == "needs a GPU and a 7B model"
+    with pytest.raises(AssertionError):
+        skip_reason("# docs-test: skip\n")
+    with pytest.raises(AssertionError):
+        skip_reason("# docs-test: requires\n")
 
 
 def test_no_internal_document_numbers() -> None:
