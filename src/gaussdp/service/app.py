@@ -826,7 +826,8 @@ def _mechanism(
 def _vector(values: list[float] | None, b64: str | None, b64_name: str) -> np.ndarray:
     if values is not None:
         return np.asarray(values, dtype=np.float64)
-    assert b64 is not None
+    if b64 is None:
+        raise HTTPException(422, f"give the vector as a JSON list or as {b64_name}")
     try:
         raw = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError):
