@@ -28,6 +28,7 @@ _TOP = {
     "federated": APPLICATIONS,
     "text": APPLICATIONS,
     "inference": APPLICATIONS,
+    "finetune": APPLICATIONS,
     "sgd": APPLICATIONS,
     "embeddings": APPLICATIONS,
     "paramdict": APPLICATIONS,

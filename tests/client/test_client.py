@@ -120,6 +120,41 @@ def test_split_mode_through_the_service_matches_the_in_process_result(served_lm)
     assert answer.neighbouring == "replace" and answer.noise_multiplier == 2.5
 
 
+def test_split_mode_under_ckks_matches_the_plain_split(served_lm) -> None:  # type: ignore[no-untyped-def]
+    """``split_lora_delta(ckks=...)``: the same noised rows travel encrypted, the server computes
+    on ciphertext, and the decrypted delta (and the logits) match the plain split mode's."""
+    pytest.importorskip("tenseal")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gaussdp.inference import HiddenStatePrivatizer
+    from gaussdp.inference.ckks import CKKSClient
+
+    model = AutoModelForCausalLM.from_pretrained(served_lm.model_dir).eval()
+    ids = AutoTokenizer.from_pretrained(served_lm.model_dir)(
+        "the minister said", return_tensors="pt"
+    ).input_ids
+    layer = "transformer.h.0"
+
+    def privatizer():  # type: ignore[no-untyped-def]
+        with pytest.warns(NotPrivateWarning):  # a named seed: the same noise twice, marked not private
+            return HiddenStatePrivatizer(model, layer, clip_norm=1.0, sigma=5.0, seed=7)
+
+    keys = CKKSClient(rank=4)  # the served adapter's rank: only the rotation keys it needs
+    with GaussDPClient(served_lm.url, served_lm.key) as c:
+        sid = c.create_session(epsilon=20.0, delta=1e-5).session_id
+        out_plain, plain = c.split_lora_delta(sid, model, ids, privatizer(), adapter="ad", layer=layer)
+        out_ckks, enc = c.split_lora_delta(
+            sid, model, ids, privatizer(), adapter="ad", layer=layer, ckks=keys
+        )
+        charges = c.history(sid)
+    assert enc.delta.shape == plain.delta.shape
+    assert np.linalg.norm(enc.delta - plain.delta) / np.linalg.norm(plain.delta) <= 1e-4
+    torch.testing.assert_close(out_ckks.logits, out_plain.logits, rtol=1e-4, atol=1e-4)
+    # charged once each, the same declared event
+    assert len(charges) == 2 and charges[0].event == charges[1].event
+    assert enc.charge_id == charges[1].charge_id
+
+
 def test_stream_generate_charges_exactly_the_tokens_consumed(served_lm) -> None:  # type: ignore[no-untyped-def]
     with GaussDPClient(served_lm.url, served_lm.key) as c:
         sid = c.create_session(epsilon=50.0, delta=1e-5).session_id

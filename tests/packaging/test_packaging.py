@@ -80,6 +80,7 @@ def test_require_extra_rejects_an_unknown_extra() -> None:
     [
         ("gaussdp.torch", "torch", "torch"),
         ("gaussdp.inference", "torch", "torch"),
+        ("gaussdp.finetune", "peft", "hf"),
         ("gaussdp.service.app", "fastapi", "service"),
         ("gaussdp.federated.flower", "flwr", "federated"),
     ],

@@ -21,6 +21,7 @@ _COMMAND_MODULES = (
     "gaussdp.cli.core",
     "gaussdp.cli.demo",
     "gaussdp.cli.federated",
+    "gaussdp.cli.finetune",
     "gaussdp.cli.info",
     "gaussdp.cli.inference",
     "gaussdp.cli.service",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import secrets
 import time
@@ -136,12 +137,15 @@ class GaussDPClient:
         json_body: dict[str, Any] | None = None,
         params: dict[str, Any] | None = None,
         retry: bool | None = None,
+        content: bytes | None = None,
+        content_type: str = "application/octet-stream",
     ) -> Any:
         """One call to the service, with retries; returns the decoded JSON answer.
 
         Args:
             retry: whether the call may be repeated (default: for GET, and for a body with an
                 ``idempotency_key``). Any new route goes through here (e.g. CKKS routes).
+            content: a raw body instead of ``json_body`` (sent as ``content_type``).
 
         Raises:
             ServiceError: a subclass per refusal (:class:`BudgetExhausted`, :class:`NotFound`,
@@ -153,7 +157,12 @@ class GaussDPClient:
         for attempt in range(attempts):
             last = attempt == attempts - 1
             try:
-                r = self._http.request(method, path, json=json_body, params=params)
+                if content is not None:
+                    r = self._http.request(
+                        method, path, content=content, params=params, headers={"Content-Type": content_type}
+                    )
+                else:
+                    r = self._http.request(method, path, json=json_body, params=params)
             except httpx.TransportError as exc:
                 if last:
                     raise ConnectionFailed(
@@ -314,6 +323,78 @@ class GaussDPClient:
             Privacy.of(d["remaining"]),
         )
 
+    def upload_ckks_context(self, session_id: str, keys: Any) -> str:
+        """Send ``keys.public_context()`` (a :class:`gaussdp.inference.ckks.CKKSClient`: parameters
+        and rotation keys, never the secret key) for the session's CKKS calls; returns its
+        ``context_id``. Costs no privacy; safe to repeat."""
+        d = self.request(
+            "POST", f"/v1/sessions/{session_id}/ckks-context", content=keys.public_context(), retry=True
+        )
+        return str(d["context_id"])
+
+    def ckks_lora_delta(
+        self,
+        session_id: str,
+        noised: Any,
+        *,
+        keys: Any,
+        adapter: str,
+        clip_norm: float,
+        sigma: float,
+        neighbouring: str = "replace",
+        idempotency_key: str | None = None,
+    ) -> LoraDelta:
+        """:meth:`lora_delta` under CKKS: the server computes the delta on ciphertext it cannot decrypt.
+
+        ``keys`` (a :class:`gaussdp.inference.ckks.CKKSClient`, extra ``he``) encrypts the rows this
+        client already clipped and noised (at most 4 a call: the service's bound on the CPU of one
+        request) and decrypts the answer; the session is charged what ``clip_norm``, ``sigma`` and
+        ``neighbouring`` declare, before the server computes. The public context is uploaded
+        when the server does not hold it (404 ``ckks_context_unknown``: first call, another worker
+        process, or evicted), then the call is repeated with the same idempotency key (nothing
+        was charged by the 404).
+
+        Returns:
+            A :class:`LoraDelta` whose ``delta`` is the decrypted ``(rows, d_out)`` (float64).
+        """
+        from gaussdp.client._errors import NotFound
+
+        rows = _finite("noised", noised, np.float64)
+        rows = rows.reshape(-1, rows.shape[-1])
+        if rows.shape[0] > 4:
+            raise UnsafeInput(f"noised has {rows.shape[0]} rows: at most 4 per CKKS call; nothing sent")
+        body = {
+            "context_id": keys.context_id,
+            "adapter": adapter,
+            "ciphertext_b64": base64.b64encode(keys.encrypt(rows)).decode(),
+            "rows": int(rows.shape[0]),
+            "clip_norm": float(clip_norm),
+            "sigma": float(sigma),
+            "neighbouring": neighbouring,
+            "idempotency_key": idempotency_key or _new_key(),
+        }
+        path = f"/v1/sessions/{session_id}/ckks-lora-delta"
+        for attempt in range(1 + self.retries):
+            try:
+                d = self.request("POST", path, json_body=body)
+                break
+            except NotFound as exc:
+                if exc.error != "ckks_context_unknown" or attempt == self.retries:
+                    raise
+                self.upload_ckks_context(session_id, keys)
+        delta = keys.decrypt_delta(base64.b64decode(d["ciphertext_b64"]), rows=int(d["rows"]))
+        return LoraDelta(
+            delta,
+            int(d["rows"]),
+            str(d["adapter"]),
+            str(d["neighbouring"]),
+            float(d["sensitivity"]),
+            float(d["noise_multiplier"]),
+            int(d["charge_id"]),
+            Privacy.of(d["spent"]),
+            Privacy.of(d["remaining"]),
+        )
+
     def split_lora_delta(
         self,
         session_id: str,
@@ -326,6 +407,7 @@ class GaussDPClient:
         positions: str = "last",
         rescale: bool = True,
         idempotency_key: str | None = None,
+        ckks: Any = None,
         **model_kwargs: Any,
     ) -> tuple[Any, LoraDelta]:
         """Split inference (document 000) against this service, the server untrusted.
@@ -333,7 +415,9 @@ class GaussDPClient:
         Locally :func:`gaussdp.inference.client_forward` (clip, charge ``privatizer``'s own
         accounting, noise: only the noised rows leave), then ``/lora-delta`` with the privatizer's
         ``sigma``, ``clip_norm`` and ``neighbouring`` (charged to the session), then locally
-        :func:`gaussdp.inference.client_finish`. Needs the ``torch`` extra.
+        :func:`gaussdp.inference.client_finish`. Needs the ``torch`` extra. With ``ckks=`` (a
+        :class:`gaussdp.inference.ckks.CKKSClient`) the rows travel encrypted and the server
+        computes on ciphertext (:meth:`ckks_lora_delta`).
 
         Returns:
             ``(output, delta)``: the model's output (e.g. with ``.logits``) and the server's answer.
@@ -341,7 +425,8 @@ class GaussDPClient:
         from gaussdp.inference import client_finish, client_forward
 
         noised = client_forward(model, input_ids, layer, privatizer, positions=positions, **model_kwargs)  # type: ignore[arg-type]
-        answer = self.lora_delta(
+        call: Any = self.lora_delta if ckks is None else functools.partial(self.ckks_lora_delta, keys=ckks)
+        answer = call(
             session_id,
             noised,
             adapter=adapter,

@@ -18,7 +18,9 @@ Split mode (document 000) has two endpoints. ``/hidden-state`` is for a TRUSTED 
 the clean hidden state, clips and noises it itself. ``/lora-delta`` is for an honest-but-curious
 server: the client clips and noises (:func:`gaussdp.inference.client_forward`), the server only
 computes the LoRA delta of the noised rows with an adapter it holds, and charges the session the
-privacy the client declares it spent (the server cannot verify that noise).
+privacy the client declares it spent (the server cannot verify that noise). With the ``he`` extra
+the same adapters are also served encrypted, ``/ckks-context`` and ``/ckks-lora-delta``
+(:mod:`gaussdp.service.ckks`): the server computes the delta on CKKS ciphertext it cannot decrypt.
 
 Private generation with the models of ``gaussdp serve --model`` (``POST`` and WebSocket
 ``/v1/sessions/{id}/generate``, one charge per token before it is sent) lives in
@@ -30,9 +32,11 @@ Private generation with the models of ``gaussdp serve --model`` (``POST`` and We
 import base64
 import binascii
 import functools
+import importlib.util
 import json
 import logging
 import math
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -120,6 +124,8 @@ def create_app(
     rate_limit_burst: int | None = None,
     text: Literal["keyed", "public", "off"] = "keyed",
     metrics: Literal["keyed", "public", "off"] = "keyed",
+    data_dir: str | None = None,
+    model_paths: Mapping[str, str] | None = None,
 ) -> FastAPI:
     """Build the service over a ledger (opened from ``ledger_url`` unless ``ledger`` is given).
 
@@ -145,6 +151,11 @@ def create_app(
         metrics: ``/metrics`` in Prometheus text format (:mod:`gaussdp.service.metrics`):
             ``"keyed"`` (default: an ``admin`` key; tenant names are labels), ``"public"`` (for a
             scraper on a private network), or ``"off"``.
+        data_dir: where uploaded corpora and trained adapters live; given, the fine-tuning routes
+            (:mod:`gaussdp.service.finetune`) are served (they need a durable ledger and the
+            ``torch`` extra; jobs are trained by :mod:`gaussdp.service.worker` processes).
+        model_paths: base models fine-tuning jobs may name: name -> local directory (``gaussdp serve
+            --model NAME=PATH``); never from a request.
     """
     if metrics not in ("keyed", "public", "off"):
         raise ValueError(f"metrics must be 'keyed', 'public' or 'off', got metrics={metrics!r}")
@@ -159,10 +170,14 @@ def create_app(
     tenants = KeyCache(led)
     adapters = _lora_adapters(lora_adapters)
     lora_delta_of = _server_lora_delta() if adapters else None
+    ckks = bool(adapters) and importlib.util.find_spec("tenseal") is not None  # the `he` extra
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        jobs_store = getattr(app.state, "jobs", None)
+        if jobs_store is not None:
+            jobs_store.close()
         if owns_ledger:
             led.close()
 
@@ -173,7 +188,12 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.ledger = led
-    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
+    path_limits = _ckks_body_limits(ckks)
+    if data_dir is not None:
+        from gaussdp.service.finetune import CORPORA_PATH, MAX_CORPUS_BYTES
+
+        path_limits[re.escape(CORPORA_PATH)] = MAX_CORPUS_BYTES  # corpora have their own limit
+    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes, path_limits=path_limits)
 
     def refused(reason: str) -> None:
         if stats is not None:
@@ -585,6 +605,22 @@ def create_app(
             remaining=Privacy(epsilon=max(0.0, budget.epsilon - spent.epsilon), delta=budget.delta),
         )
 
+    if ckks:  # CKKS split mode (gaussdp.service.ckks): the same adapters, charge path and key check
+        from gaussdp.service.ckks import ckks_router
+
+        app.include_router(
+            ckks_router(
+                adapters=adapters,
+                ledger=led,
+                releaser=needs("release"),
+                owned=owned,
+                charged=charged,
+                sensitivity_of=_sensitivity,
+                row_event=_row_event,
+                bounded=bounded,
+            )
+        )
+
     def ws_caller(key: str | None) -> Caller:  # the WebSocket route's key: same checks as a header
         creds = None if key is None else HTTPAuthorizationCredentials(scheme="Bearer", credentials=key)
         return needs("release")(caller_of(creds))
@@ -624,7 +660,33 @@ def create_app(
     if text != "off":
         keyed = [Depends(needs("release"))] if text == "keyed" else []
         _include_optional_routers(app, keyed)
+    if data_dir is not None:
+        from gaussdp.service.finetune import make_finetune_router
+        from gaussdp.service.jobs import JobStore
+
+        jobs = JobStore(_durable_url(led))
+        app.state.jobs = jobs
+        app.state.model_paths = dict(model_paths or {})
+        app.include_router(
+            make_finetune_router(
+                ledger=led,
+                jobs=jobs,
+                data_dir=data_dir,
+                model_paths=app.state.model_paths,
+                reader=needs("read"),
+                releaser=needs("release"),
+                bounded=bounded,
+            )
+        )
     return app
+
+
+def _durable_url(led: Ledger) -> str:
+    """The database URL of ``led`` (fine-tuning keeps its jobs there), also for ``Ledger(store=...)``."""
+    path = getattr(led.store, "path", None)
+    if not led.url.startswith(("sqlite://", "postgresql://", "postgres://")) and isinstance(path, str):
+        return f"sqlite:///{path}"
+    return led.url
 
 
 def create_text_app() -> FastAPI:
@@ -633,6 +695,15 @@ def create_text_app() -> FastAPI:
     app = FastAPI(title="gaussdp text", version=_version())
     _include_optional_routers(app, [])
     return app
+
+
+def _ckks_body_limits(ckks: bool) -> dict[str, int]:
+    """The CKKS routes' own body limits (rotation keys weigh several MB), when they are served."""
+    if not ckks:
+        return {}
+    from gaussdp.service.ckks import BODY_LIMITS
+
+    return dict(BODY_LIMITS)
 
 
 def _sensitivity(clip_norm: float, neighbouring: str) -> float:
@@ -755,7 +826,8 @@ def _mechanism(
 def _vector(values: list[float] | None, b64: str | None, b64_name: str) -> np.ndarray:
     if values is not None:
         return np.asarray(values, dtype=np.float64)
-    assert b64 is not None
+    if b64 is None:
+        raise HTTPException(422, f"give the vector as a JSON list or as {b64_name}")
     try:
         raw = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError):

@@ -29,7 +29,10 @@ _ERRORS: dict[int, dict[str, Any]] = {
         "headers": {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},
     },
     403: {"model": ErrorOut, "description": "The API key's scopes do not allow this route."},
-    404: {"model": ErrorOut, "description": "No such session for this tenant (others' are invisible)."},
+    404: {
+        "model": ErrorOut,
+        "description": "No such session (or corpus, or job) for this tenant (others' are invisible).",
+    },
     409: {
         "model": ErrorOut,
         "description": "budget_exhausted (nothing charged or released), idempotency_key_used (charged "

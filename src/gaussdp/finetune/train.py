@@ -1,0 +1,531 @@
+"""Run a planned DP-LoRA fine-tuning job: :func:`run_finetune`.
+
+Flow (as everywhere in gaussdp): the ledger has already been charged ``plan.event`` by the caller;
+here each Poisson batch's per-record gradients of the LoRA parameters are clipped to
+``plan.clip_norm`` (:class:`gaussdp.torch.PrivacyEngine` hooks), Gaussian noise of std
+``plan.noise_multiplier * plan.clip_norm`` is added once per step, and only then does the optimizer
+move the adapters. The base model is frozen and never leaves this process; only the adapter is
+released.
+
+The per-record loss is the mean next-token cross-entropy over the record's own tokens; the batch's
+loss is the *sum* of those (``loss_reduction="sum"``), so each record's gradient is exactly the
+gradient of its own loss, whatever the lengths of the other records in its batch (the built-in
+Hugging Face loss averages over all tokens of the batch, which mixes records).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gaussdp.errors import InvalidParameter
+from gaussdp.finetune.plan import (
+    ENCODER_MODEL_TYPES,
+    FinetuneConfig,
+    FinetunePlan,
+    check_plan,
+    default_target_modules,
+)
+
+__all__ = [
+    "FinetuneCancelled",
+    "FinetuneProgress",
+    "FinetuneResult",
+    "check_model",
+    "load_base_model",
+    "run_finetune",
+    "tokenize_records",
+]
+
+# The engine's epsilon is computed from the same events as the plan's; they may differ only by the
+# accountant's discretisation (about 1e-9 relative for PLD).
+_EPS_REL_TOL = 1e-6
+
+
+class FinetuneCancelled(RuntimeError):
+    """``should_stop()`` returned True: training stopped before ``plan.steps``.
+
+    Attributes:
+        steps_done: optimizer steps taken (each one noised and charged by the plan).
+        epsilon: the epsilon of those steps at the plan's delta (<= the plan's epsilon).
+    """
+
+    def __init__(self, steps_done: int, epsilon: float) -> None:
+        super().__init__(f"fine-tuning cancelled after {steps_done} steps (epsilon spent {epsilon:.6g})")
+        self.steps_done = steps_done
+        self.epsilon = epsilon
+
+
+@dataclass(frozen=True)
+class FinetuneProgress:
+    """One step's report to ``progress``.
+
+    Attributes:
+        step: steps done (1 after the first step).
+        steps: the plan's steps.
+        epsilon_so_far: epsilon of the steps done, at the plan's delta (an upper bound).
+        loss: mean per-record training loss of this step's batch, or ``None``: it is computed from
+            the records WITHOUT noise, so it is not covered by the DP guarantee and is only given with
+            ``report_loss=True`` (``None`` also for an empty Poisson batch).
+    """
+
+    step: int
+    steps: int
+    epsilon_so_far: float
+    loss: float | None
+
+
+@dataclass(frozen=True)
+class FinetuneResult:
+    """What :func:`run_finetune` trained.
+
+    Attributes:
+        peft_model: the base model with the trained LoRA adapters (a peft ``PeftModel``, eval mode,
+            on the training device); ``save_adapter`` writes only the adapters.
+        tokenizer: the base model's tokenizer.
+        plan: the plan that was run.
+        config: the config that was run.
+        losses: per-step mean training losses (``report_loss=True`` only; NOT private), else ``()``.
+        epsilon: epsilon spent at ``plan.delta`` by the steps done (<= ``plan.epsilon``).
+        steps_done: optimizer steps taken (``plan.steps``).
+        private: False when a ``seed`` fixed the noise (then the adapter is NOT private).
+        noise_stream: where the gradient noise came from.
+        base_model: the base model's directory.
+        model_type: the base model's ``config.model_type``.
+        target_modules: the modules that got LoRA adapters.
+        trainable_parameters, total_parameters: parameter counts.
+        tokens: non-padding tokens processed (all steps).
+        seconds: wall-clock time of the whole call (loading, tokenising, training).
+        train_seconds: wall-clock time of the training steps alone (``tokens / train_seconds`` is
+            the training throughput).
+    """
+
+    peft_model: Any
+    tokenizer: Any
+    plan: FinetunePlan
+    config: FinetuneConfig
+    losses: tuple[float, ...]
+    epsilon: float
+    steps_done: int
+    private: bool
+    noise_stream: str
+    base_model: str
+    model_type: str
+    target_modules: tuple[str, ...]
+    trainable_parameters: int
+    total_parameters: int
+    tokens: int
+    seconds: float
+    train_seconds: float
+
+
+def _model_config(model_path: str | Path) -> tuple[Path, Any]:
+    """The directory and its Hugging Face config, after the checks that need no weights."""
+    from transformers import AutoConfig
+
+    p = Path(model_path)
+    if not p.is_dir():
+        raise InvalidParameter(f"model_path {str(p)!r} is not a local directory (nothing is downloaded)")
+    try:
+        cfg = AutoConfig.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise InvalidParameter(f"model_path {str(p)!r} holds no Hugging Face model config: {exc}") from None
+    if cfg.model_type in ENCODER_MODEL_TYPES:
+        raise InvalidParameter(
+            f"model_path {str(p)!r} is a {cfg.model_type!r} model: an encoder, not a causal language model"
+        )
+    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        raise InvalidParameter(f"model_path {str(p)!r} holds no tokenizer (save it with the model)")
+    return p, cfg
+
+
+def check_model(model_path: str | Path, config: FinetuneConfig) -> tuple[str, tuple[str, ...]]:
+    """What :func:`run_finetune` would refuse about ``model_path`` with ``config``, checked cheaply.
+
+    Call it before charging the ledger, so that a job that cannot run costs no budget. Reads only
+    the model's config and builds the architecture on the ``meta`` device (no weights, no memory):
+    checks the directory, that it is a causal LM with a tokenizer, that ``max_seq_len`` fits its
+    positions, and which modules get LoRA adapters.
+
+    Returns:
+        ``(model_type, target_modules)``.
+
+    Raises:
+        InvalidParameter: naming ``model_path``, ``max_seq_len`` or ``target_modules``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if not isinstance(config, FinetuneConfig):
+        raise TypeError(f"config must be a FinetuneConfig, got {type(config).__name__}")
+    p, cfg = _model_config(model_path)
+    positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if isinstance(positions, int) and config.max_seq_len > positions:
+        raise InvalidParameter(
+            f"max_seq_len={config.max_seq_len} is more than the {positions} positions of the model "
+            f"at model_path {str(p)!r}"
+        )
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(cfg)
+    except (OSError, ValueError) as exc:
+        raise InvalidParameter(f"model_path {str(p)!r} is not a causal LM architecture: {exc}") from None
+    targets, _ = _resolve_targets(skeleton, config)
+    return str(cfg.model_type), targets
+
+
+def load_base_model(model_path: str | Path) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of a local Hugging Face causal LM directory (never downloads).
+
+    Raises:
+        InvalidParameter: naming ``model_path``: not a directory, not loadable as a causal LM, an
+            encoder-only architecture, or no tokenizer in it.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p, _ = _model_config(model_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise InvalidParameter(f"model_path {str(p)!r} could not be loaded as a causal LM: {exc}") from None
+    return model, tokenizer
+
+
+def tokenize_records(tokenizer: Any, records: Sequence[str], max_seq_len: int) -> tuple[Any, Any]:
+    """``(input_ids, attention_mask)``, shape ``(n, L)`` with ``L <= max_seq_len``, right-padded.
+
+    Each record is tokenized on its own (no special tokens), truncated to ``max_seq_len - 1`` tokens
+    and followed by the end-of-sequence token where the tokenizer has one, so the model learns where
+    a record ends; a record never shares a row with another.
+    """
+    import torch
+
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    keep = max_seq_len - 1 if eos is not None else max_seq_len
+    enc = tokenizer(list(records), add_special_tokens=False, truncation=True, max_length=keep)["input_ids"]
+    rows = [list(ids[:keep]) + ([eos] if eos is not None else []) for ids in enc]
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.full((len(rows), width), int(pad), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def _trim(batch: list[Any]) -> tuple[Any, Any]:
+    """Collate: stack ``(ids, mask)`` pairs and drop the columns that are padding in every row."""
+    import torch
+
+    ids = torch.stack([b[0] for b in batch])
+    mask = torch.stack([b[1] for b in batch])
+    width = int(mask.sum(1).max()) if len(batch) else 0
+    width = max(width, 1)
+    return ids[:, :width], mask[:, :width]
+
+
+def per_record_loss(model: Any, ids: Any, mask: Any) -> Any:
+    """Each record's mean next-token cross-entropy over its own tokens, shape ``(batch,)``."""
+    import torch
+
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    target = ids[:, 1:]
+    tok = torch.nn.functional.cross_entropy(logits.transpose(1, 2).float(), target, reduction="none")
+    m = mask[:, 1:].to(tok.dtype)
+    return (tok * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+
+def _is_conv1d(module: Any) -> bool:
+    return type(module).__name__ == "Conv1D"  # transformers' GPT-2 layer: weight stored (in, out)
+
+
+def _resolve_targets(model: Any, config: FinetuneConfig) -> tuple[tuple[str, ...], bool]:
+    """The target module names (config's, or the default for the model type) and whether they are
+    GPT-2 ``Conv1D`` layers (peft's ``fan_in_fan_out``)."""
+    model_type = str(getattr(model.config, "model_type", ""))
+    targets = config.target_modules or default_target_modules(model_type)
+    found = [m for n, m in model.named_modules() if any(n == t or n.endswith("." + t) for t in targets)]
+    if not found:
+        raise InvalidParameter(
+            f"target_modules={list(targets)!r} matches no module of this {model_type!r} model"
+        )
+    conv1d = [_is_conv1d(m) for m in found]
+    if any(conv1d) and not all(conv1d):
+        raise InvalidParameter(
+            f"target_modules={list(targets)!r} mixes GPT-2 Conv1D and other layers: adapt one kind"
+        )
+    return tuple(targets), all(conv1d)
+
+
+def wrap_lora(model: Any, config: FinetuneConfig) -> tuple[Any, tuple[str, ...]]:
+    """``(peft_model, target_modules)``: LoRA adapters on the targets; only they are trainable."""
+    from peft import LoraConfig, get_peft_model
+
+    targets, fan_in_fan_out = _resolve_targets(model, config)
+    lora = LoraConfig(
+        r=config.lora_rank,
+        lora_alpha=config.lora_alpha,  # type: ignore[arg-type]  # peft annotates int, takes float
+        lora_dropout=config.lora_dropout,
+        target_modules=list(targets),
+        fan_in_fan_out=fan_in_fan_out,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="peft")
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        try:
+            peft_model = get_peft_model(model, lora)
+        except ValueError as exc:
+            raise InvalidParameter(f"target_modules={list(targets)!r}: {exc}") from None
+    for name, p in peft_model.named_parameters():
+        p.requires_grad_("lora_" in name)  # the base stays frozen: only the adapters are released
+    return peft_model, tuple(targets)
+
+
+def _seeded(seed: int | None) -> contextlib.AbstractContextManager[Any]:
+    """Fix torch's global RNG (LoRA initialisation, dropout) for a seeded run, restoring it after."""
+    import torch
+
+    if seed is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.random.fork_rng(devices=[]))
+    torch.manual_seed(seed)
+    return stack
+
+
+def run_finetune(
+    model_path: str | Path,
+    records: Sequence[str],
+    config: FinetuneConfig,
+    plan: FinetunePlan,
+    *,
+    progress: Callable[[FinetuneProgress], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    seed: int | None = None,
+    report_loss: bool = False,
+    device: str | None = None,
+    max_physical_batch_size: int | None = None,
+) -> FinetuneResult:
+    """Fine-tune LoRA adapters of a local causal LM on ``records`` with DP-SGD, exactly as planned.
+
+    Guarantee: the returned adapter (and everything computed from it) is ``(epsilon, plan.delta)``-DP
+    with respect to adding or removing one record, ``epsilon = result.epsilon <= plan.epsilon``
+    (checked against the engine's own accountant after training; a run that would exceed the plan
+    is refused rather than returned). Poisson sampling at ``plan.sample_rate``, ``plan.steps`` steps,
+    noise multiplier ``plan.noise_multiplier``, per-record clipping at ``plan.clip_norm`` over all
+    LoRA parameters; noise from the OS CSPRNG (gaussdp.torch's default). Charge ``plan.event`` to the
+    ledger BEFORE calling this.
+
+    Args:
+        model_path: a local Hugging Face directory with a causal LM and its tokenizer (read with
+            ``local_files_only=True``; nothing is downloaded).
+        records: the corpus (:func:`gaussdp.finetune.read_corpus`); ``len(records)`` must be the
+            plan's ``n_records``.
+        config: the job's settings; ``plan`` must have been made from it.
+        plan: :func:`gaussdp.finetune.plan_finetune`'s plan (checked again here).
+        progress: called after every step with a :class:`FinetuneProgress`.
+        should_stop: polled before every step; True stops training with :class:`FinetuneCancelled`
+            (the steps already taken were covered by the plan's charge).
+        seed: keyword only. Fixes sampling, noise and the LoRA initialisation, for experiments: the
+            adapter is then NOT private (warned with ``NotPrivateWarning``; ``result.private`` False).
+        report_loss: also report each step's training loss (``FinetuneProgress.loss``,
+            ``result.losses``). It is computed from the records without noise and is NOT covered by
+            the guarantee: enable it only where whoever sees it may see the corpus (e.g. the data
+            owner running the CLI on their own data). Off by default.
+        device: torch device to train on (default ``"cpu"``).
+        max_physical_batch_size: split each Poisson batch into forward/backward passes of at most
+            this many records (memory), still one noised step per batch; default: no split.
+
+    Returns:
+        A :class:`FinetuneResult`.
+
+    Raises:
+        InvalidParameter: bad arguments (named), a plan that does not match ``config`` or the
+            number of records, a model that cannot be loaded or adapted.
+        FinetuneCancelled: ``should_stop()`` returned True.
+    """
+    import torch
+
+    if not isinstance(config, FinetuneConfig):
+        raise TypeError(f"config must be a FinetuneConfig, got {type(config).__name__}")
+    if isinstance(records, str) or not isinstance(records, Sequence):
+        raise TypeError(f"records must be a sequence of strings, got {type(records).__name__}")
+    for i, r in enumerate(records):
+        if not isinstance(r, str) or not r.strip():
+            raise InvalidParameter(f"records[{i}] must be a non-empty string, got {r!r:.40}")
+    check_plan(plan, config=config, n_records=len(records))
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be an int or None, got seed={seed!r}")
+    if not isinstance(report_loss, bool):
+        raise TypeError(f"report_loss must be a bool, got report_loss={report_loss!r}")
+    if max_physical_batch_size is not None and (
+        isinstance(max_physical_batch_size, bool)
+        or not isinstance(max_physical_batch_size, int)
+        or max_physical_batch_size < 1
+    ):
+        raise InvalidParameter(
+            f"max_physical_batch_size must be an int >= 1 or None, got {max_physical_batch_size!r}"
+        )
+    for name, fn in (("progress", progress), ("should_stop", should_stop)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
+    try:
+        dev = torch.device(device or "cpu")
+    except (RuntimeError, TypeError):
+        raise InvalidParameter(
+            f"device must be a torch device name such as 'cpu', got device={device!r}"
+        ) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidParameter(f"device={device!r}: CUDA is not available here")
+
+    with _seeded(seed):  # a seeded run also fixes LoRA's initialisation and the base's dropout
+        return _train(
+            model_path, records, config, plan, progress, should_stop, seed, report_loss, dev,
+            max_physical_batch_size,
+        )  # fmt: skip
+
+
+def _train(
+    model_path: str | Path,
+    records: Sequence[str],
+    config: FinetuneConfig,
+    plan: FinetunePlan,
+    progress: Callable[[FinetuneProgress], None] | None,
+    should_stop: Callable[[], bool] | None,
+    seed: int | None,
+    report_loss: bool,
+    dev: Any,
+    max_physical_batch_size: int | None,
+) -> FinetuneResult:
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gaussdp.torch import PrivacyEngine
+    from gaussdp.torch.data import split_batch
+
+    t0 = time.perf_counter()
+    check_model(model_path, config)  # cheap refusals first (no weights loaded)
+    model, tokenizer = load_base_model(model_path)
+    model_type = str(getattr(model.config, "model_type", ""))
+    ids, mask = tokenize_records(tokenizer, records, config.max_seq_len)
+    peft_model, targets = wrap_lora(model, config)
+    peft_model.to(dev)
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(trainable, lr=config.learning_rate)
+    # batch_size gives the loader ceil(n / batch_size) = plan.steps_per_epoch batches, from which the
+    # engine takes its Poisson sample rate 1 / len(loader): the plan's, checked below
+    loader = DataLoader(TensorDataset(ids, mask), batch_size=config.batch_size, collate_fn=_trim)
+    engine = PrivacyEngine(accountant=plan.accountant, seed=seed)
+    peft_model.train()
+    peft_model, dp_optimizer, dp_loader = engine.make_private(
+        module=peft_model,
+        optimizer=optimizer,
+        data_loader=loader,
+        noise_multiplier=plan.noise_multiplier,
+        max_grad_norm=plan.clip_norm,
+        loss_reduction="sum",
+        poisson_sampling=True,
+    )
+    try:
+        if engine.sample_rate != plan.sample_rate or len(dp_loader) != plan.steps_per_epoch:
+            raise RuntimeError(  # a bug, not a user error: never train off-plan
+                f"the engine samples at {engine.sample_rate!r} over {len(dp_loader)} batches, "
+                f"the plan at {plan.sample_rate!r} over {plan.steps_per_epoch}"
+            )
+        losses: list[float] = []
+        tokens = 0
+        step = 0
+        t_train = time.perf_counter()
+        for batch in _batches(dp_loader, plan.epochs):
+            if should_stop is not None and should_stop():
+                raise FinetuneCancelled(step, _epsilon_after(plan, step))
+            b_ids, b_mask = batch
+            chunks = list(split_batch((b_ids, b_mask), max_physical_batch_size or max(1, len(b_ids))))
+            total, count = 0.0, 0
+            for k, (c_ids, c_mask) in enumerate(chunks):
+                dp_optimizer.signal_skip_step(do_skip=k < len(chunks) - 1)
+                if len(c_ids) == 0:
+                    # an empty Poisson batch: nothing to clip, but the step still releases noise
+                    # (and is charged), as the accountant assumes; HF models refuse 0-row inputs
+                    dp_optimizer.step()
+                    dp_optimizer.zero_grad()
+                    continue
+                c_ids, c_mask = c_ids.to(dev), c_mask.to(dev)
+                per_rec = per_record_loss(peft_model, c_ids, c_mask)
+                per_rec.sum().backward()
+                dp_optimizer.step()
+                dp_optimizer.zero_grad()
+                total += float(per_rec.detach().sum())
+                count += len(c_ids)
+                tokens += int(c_mask.sum())
+            step += 1
+            loss = total / count if (report_loss and count) else None
+            if report_loss:
+                losses.append(loss if loss is not None else math.nan)
+            if progress is not None:
+                progress(FinetuneProgress(step, plan.steps, _epsilon_after(plan, step), loss))
+        train_seconds = time.perf_counter() - t_train
+        if engine.steps != plan.steps or step != plan.steps:
+            raise RuntimeError(f"took {engine.steps} steps, the plan {plan.steps}")
+        # The engine composed the same events one step at a time; its PLD discretisation may differ
+        # from the plan's one-shot composition in the last digits. Both are upper bounds on the
+        # same run's epsilon, so the smaller one is too; a larger difference would be a bug.
+        epsilon = min(engine.get_epsilon(plan.delta), plan.epsilon)
+        if not engine.get_epsilon(plan.delta) <= plan.epsilon * (1.0 + _EPS_REL_TOL):
+            raise RuntimeError(  # never release an adapter that cost more than was charged
+                f"the run spent epsilon={engine.get_epsilon(plan.delta)!r}, more than the plan's "
+                f"{plan.epsilon!r}"
+            )
+        noise_stream = engine.noise_stream or "unknown"
+    finally:
+        engine.detach()  # the hooks go: the model is an ordinary peft model again
+    peft_model.eval()
+    return FinetuneResult(
+        peft_model=peft_model,
+        tokenizer=tokenizer,
+        plan=plan,
+        config=config,
+        losses=tuple(losses),
+        epsilon=epsilon,
+        steps_done=step,
+        private=seed is None,
+        noise_stream=noise_stream,
+        base_model=str(Path(model_path)),
+        model_type=model_type,
+        target_modules=targets,
+        trainable_parameters=sum(p.numel() for p in trainable),
+        total_parameters=sum(p.numel() for p in peft_model.parameters()),
+        tokens=tokens,
+        seconds=time.perf_counter() - t0,
+        train_seconds=train_seconds,
+    )
+
+
+def _batches(loader: Any, epochs: int) -> Iterator[Any]:
+    for _ in range(epochs):
+        yield from loader
+
+
+def _epsilon_after(plan: FinetunePlan, steps_done: int) -> float:
+    """epsilon at ``plan.delta`` of the first ``steps_done`` steps, composed as the plan's event is
+    (one self-composition), so that after the last step it is exactly ``plan.epsilon``."""
+    from gaussdp.accounting import SelfComposedEvent, upper_bound_accountant
+
+    if steps_done == 0:
+        return 0.0
+    if steps_done == plan.steps:
+        return plan.epsilon
+    step_event = plan.event.event  # type: ignore[attr-defined]
+    acc = upper_bound_accountant(plan.accountant).compose(SelfComposedEvent(step_event, steps_done))
+    return float(acc.epsilon(plan.delta))
