@@ -61,6 +61,7 @@ def test_run_follows_the_plan_and_reports_progress(trained):
     assert names and all("lora_" in n for n in names)
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # transformers, via peft
 def test_adapter_reloads_with_peft_and_generates(trained, tiny_model_dir):
     from peft import PeftModel
     from safetensors.torch import load_file
