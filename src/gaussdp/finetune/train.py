@@ -104,6 +104,8 @@ class FinetuneResult:
         seconds: wall-clock time of the whole call (loading, tokenising, training).
         train_seconds: wall-clock time of the training steps alone (``tokens / train_seconds`` is
             the training throughput).
+        charged: what the engine's own accountant composed during training, as ``(event, count)``
+            pairs: ``((plan.event.event, steps_done),)`` (the plan's step event, once per step).
     """
 
     peft_model: Any
@@ -123,6 +125,7 @@ class FinetuneResult:
     tokens: int
     seconds: float
     train_seconds: float
+    charged: tuple[tuple[Any, int], ...] = ()
 
 
 def _model_config(model_path: str | Path) -> tuple[Path, Any]:
@@ -488,6 +491,9 @@ def _train(
                 f"{plan.epsilon!r}"
             )
         noise_stream = engine.noise_stream or "unknown"
+        charged = tuple(engine.accountant.history)
+        if charged != ((plan.event.event, plan.steps),):  # type: ignore[attr-defined]
+            raise RuntimeError(f"the engine charged {charged}, not the plan's steps")
     finally:
         engine.detach()  # the hooks go: the model is an ordinary peft model again
     peft_model.eval()
@@ -509,6 +515,7 @@ def _train(
         tokens=tokens,
         seconds=time.perf_counter() - t0,
         train_seconds=train_seconds,
+        charged=charged,
     )
 
 
