@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gaussdp.accounting.events import flatten_event
 from gaussdp.errors import InvalidParameter
 from gaussdp.finetune.plan import (
     ENCODER_MODEL_TYPES,
@@ -105,7 +106,8 @@ class FinetuneResult:
         train_seconds: wall-clock time of the training steps alone (``tokens / train_seconds`` is
             the training throughput).
         charged: what the engine's own accountant composed during training, as ``(event, count)``
-            pairs: ``((plan.event.event, steps_done),)`` (the plan's step event, once per step).
+            pairs: the plan's step event, once per step (checked equal to ``plan.event`` as
+            accountants flatten it: ``gaussdp.accounting.events.flatten_event``).
     """
 
     peft_model: Any
@@ -492,7 +494,8 @@ def _train(
             )
         noise_stream = engine.noise_stream or "unknown"
         charged = tuple(engine.accountant.history)
-        if charged != ((plan.event.event, plan.steps),):  # type: ignore[attr-defined]
+        # as accountants see events: a step at sample rate 1 is a plain Gaussian release
+        if charged != tuple(flatten_event(plan.event)):
             raise RuntimeError(f"the engine charged {charged}, not the plan's steps")
     finally:
         engine.detach()  # the hooks go: the model is an ordinary peft model again
