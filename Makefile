@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --disable-pip-version-check -q
 
-.PHONY: demo test lint typecheck pytest bench clean
+.PHONY: demo test lint typecheck docs pytest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,15 +30,19 @@ lint: $(VENV)/.test-installed
 typecheck: $(VENV)/.test-installed
 	$(BIN)/mypy
 
+# The docs site, warnings as errors (a few seconds); tests/test_docs.py runs its python blocks.
+docs: $(VENV)/.test-installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
+
 pytest: $(VENV)/.test-installed
 	@# Debian's Chromium for the in-browser text test (skipped with a reason where it cannot be installed).
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) || true
 	$(BIN)/python -m pytest -q
 
-test: lint typecheck pytest
+test: lint typecheck docs pytest
 
 bench: $(VENV)/.test-installed
 	for f in benchmarks/bench_*.py; do $(BIN)/python $$f || exit 1; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo_out build src/gaussdp/*.so
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo_out build dist site src/gaussdp/*.so

@@ -18,6 +18,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "torch": ("torch",),
     "hf": ("torch", "transformers", "peft"),
     "service": ("fastapi", "uvicorn", "pydantic", "httpx"),
+    "client": ("httpx", "websockets"),
     "text": ("gensim",),
     "federated": ("flwr",),
     "he": ("tenseal",),

@@ -353,9 +353,12 @@ def _exact_target(c: float, d: int) -> float:
 
 def _row_sq(block: NDArray[Any]) -> NDArray[Any]:
     """Sum of squares of each row, in the block's dtype (any summation order)."""
+    out: NDArray[Any]
     if hasattr(np, "vecdot"):  # numpy >= 2: a dot product per row
-        return np.vecdot(block, block)
-    return np.einsum("ij,ij->i", block, block)
+        out = np.vecdot(block, block)
+    else:
+        out = np.einsum("ij,ij->i", block, block)
+    return out
 
 
 def _clipped_sum_weighted(arr: NDArray[Any], c: float) -> tuple[NDArray[np.float64], NDArray[np.float64]]:

@@ -40,3 +40,29 @@ def client(service: Service):  # type: ignore[no-untyped-def]
 
     with TestClient(service.app) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A tiny causal LM (and tokenizer) saved to a directory, as `gaussdp serve --model` takes it."""
+    finetune = pytest.importorskip("gaussdp.finetune")
+    return finetune.tiny_causal_lm(tmp_path_factory.mktemp("tiny-lm"))
+
+
+@pytest.fixture(scope="session")
+def perturbed_corpus():  # type: ignore[no-untyped-def]
+    """(text, sigma, vocabulary id): gensim's Lee corpus perturbed word by word with the page's
+    mechanism (Gaussian, the shipped vocabulary), one record per line."""
+    from pathlib import Path
+
+    gensim = pytest.importorskip("gensim")
+    from gaussdp.service.finetune import vocabulary_id
+    from gaussdp.text import GaussianWordMechanism, perturb_text
+    from gaussdp.text.corpus import shipped_vocabulary
+
+    lee = Path(gensim.__file__).parent / "test" / "test_data" / "lee_background.cor"
+    lines = lee.read_text(encoding="utf-8").splitlines()[:160]
+    vocab = shipped_vocabulary()
+    sigma = 0.5
+    out = perturb_text("\n".join(lines), GaussianWordMechanism(vocab, sigma=sigma))
+    return out.text, sigma, vocabulary_id(vocab)

@@ -219,7 +219,8 @@ def _profile_log_delta(leaf: PrivacyProfileEvent, e: FloatArray) -> FloatArray:
     hx, hy = _profile_hull(leaf)
     d = np.interp(np.exp(np.minimum(e, 700.0)), hx, hy, right=hy[-1])
     with np.errstate(divide="ignore"):
-        return np.log(np.maximum(d, 0.0))
+        out: FloatArray = np.log(np.maximum(d, 0.0))
+    return out
 
 
 def leaf_log_delta(leaf: Event, eps: ArrayLike) -> FloatArray:
@@ -289,6 +290,8 @@ def leaf_mu2(leaf: Event) -> float:
         return max(leaf.epsilons) ** 2
     if isinstance(leaf, DiscreteGaussianEvent):
         return (leaf.sensitivity / leaf.sigma) ** 2
+    q: float
+    s: float
     q, s = leaf.sample_rate, leaf.noise_multiplier  # type: ignore[attr-defined]
     if isinstance(leaf, ReplaceOneSubsampledGaussianEvent):
         # Var_{N(0)} of (phi(z+1) - phi(z-1)) / phi(z) = 2 (e^{1/s^2} - e^{-1/s^2})

@@ -53,7 +53,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
@@ -370,7 +370,7 @@ class _Stepped:
         return _solve_between(hi_j * h, h, a, g, delta)
 
 
-class _PerDirection(dict):
+class _PerDirection(dict[Direction, Any]):  # values: _Composed, or _Stepped on a checkpoint
     """direction -> composed PLD, each computed on first use (a certified direction never is)."""
 
     def __init__(self, make: Callable[[Direction], _Composed | _Stepped]) -> None:
@@ -791,7 +791,7 @@ class PLDAccountant(Accountant):
         if one is not None:
             return _one_step_delta(one, epsilon)
         cur = self._current()
-        d = cur["remove"].delta(epsilon)
+        d: float = cur["remove"].delta(epsilon)
         if self._add_needed or self._add_delta_bound(epsilon) > d:
             d = max(d, cur["add"].delta(epsilon))
         if d < self._rdp_below or self._grid_is_coarse():

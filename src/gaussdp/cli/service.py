@@ -14,6 +14,7 @@ _DB_HELP = "Ledger database URL: sqlite:///path.db (default, in the working dire
 
 def register(app: typer.Typer) -> None:
     app.command()(serve)
+    app.command()(worker)
     keys = typer.Typer(
         help="API keys of the service's tenants (stored hashed; shown once).", no_args_is_help=True
     )
@@ -64,13 +65,36 @@ def serve(
         None, envvar="GAUSSDP_SSL_KEYFILE", help="TLS private key (PEM)."
     ),
     model: list[str] = typer.Option(
-        [], "--model", help="NAME=PATH: a Hugging Face causal LM in a local directory, loaded at start-up."
+        [],
+        "--model",
+        help="NAME=PATH: a Hugging Face causal LM in a local directory (with its tokenizer, if saved "
+        "there), loaded at start-up and served by /v1/sessions/{id}/generate (POST and WebSocket).",
     ),
     adapter: list[str] = typer.Option(
         [],
         "--adapter",
         help="NAME=PATH[#MODULE]: a peft LoRA adapter directory served by /lora-delta under NAME "
         "(one module's A and B; #MODULE picks it when the adapter has several).",
+    ),
+    data_dir: Path | None = typer.Option(
+        None,
+        "--data-dir",
+        envvar="GAUSSDP_DATA_DIR",
+        help="Directory for uploaded corpora and trained adapters; given, the fine-tuning routes are on.",
+    ),
+    finetune_workers: int = typer.Option(
+        1,
+        "--finetune-workers",
+        envvar="GAUSSDP_FINETUNE_WORKERS",
+        min=0,
+        help="Local fine-tuning worker processes started with the server (with --data-dir); 0: none "
+        "(run `gaussdp worker` elsewhere).",
+    ),
+    lease_s: float = typer.Option(
+        60.0,
+        "--finetune-lease-s",
+        envvar="GAUSSDP_FINETUNE_LEASE_S",
+        help="A running job without a worker heartbeat this long is marked failed (never re-run).",
     ),
 ) -> None:
     """Run the gaussdp HTTP service (OpenAPI docs at /docs). Every option also reads GAUSSDP_*.
@@ -97,6 +121,7 @@ def serve(
         "rate_limit_burst": rate_limit_burst,
         "text": text,
         "metrics": metrics,
+        "data_dir": None if data_dir is None else str(data_dir.resolve()),
     }
     for name, value in chosen.items():  # the workers build their app from the environment
         if value is None:
@@ -121,26 +146,121 @@ def serve(
         settings = settings_from_env()
         from gaussdp.service.app import create_app
 
-        create_app(ledger=Ledger("memory://"), **{k: v for k, v in settings.items() if k != "ledger_url"})
+        checked = {k: v for k, v in settings.items() if k not in ("ledger_url", "data_dir")}
+        create_app(ledger=Ledger("memory://"), **checked)  # fine-tuning is checked by its JobStore
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     with Ledger(db) as ledger:  # the schema is migrated once here, before any worker starts
         if not ledger.store.list_api_keys():
             typer.echo(f"no API keys yet: create one with  gaussdp keys create TENANT --db {db}", err=True)
+    job_workers: list[Any] = []
+    if data_dir is not None:
+        job_workers = _start_job_workers(db, data_dir, model, finetune_workers, lease_s)
     scheme = "https" if ssl_certfile else "http"
     typer.echo(
         f"gaussdp service on {scheme}://{host}:{port} with {workers} worker(s)  "
         f"(docs: {scheme}://{host}:{port}/docs, ledger: {db})"
     )
-    serve_factory(
-        "gaussdp.service.config:app_from_env",
-        host=host,
-        port=port,
-        workers=workers,
-        ssl_certfile=None if ssl_certfile is None else str(ssl_certfile),
-        ssl_keyfile=None if ssl_keyfile is None else str(ssl_keyfile),
-    )
+    try:
+        serve_factory(
+            "gaussdp.service.config:app_from_env",
+            host=host,
+            port=port,
+            workers=workers,
+            ssl_certfile=None if ssl_certfile is None else str(ssl_certfile),
+            ssl_keyfile=None if ssl_keyfile is None else str(ssl_keyfile),
+        )
+    finally:
+        for proc in job_workers:
+            proc.terminate()
+        for proc in job_workers:
+            try:
+                proc.wait(timeout=10)
+            except Exception:
+                proc.kill()
+
+
+def _start_job_workers(db: str, data_dir: Path, model: list[str], n: int, lease_s: float) -> list[Any]:
+    """Mark jobs interrupted by a crash as failed, then start ``n`` local ``gaussdp worker`` processes."""
+    import subprocess
+    import sys
+
+    from gaussdp.service.jobs import JobStore
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    store = JobStore(db)
+    try:
+        for job_id in store.fail_abandoned(lease_s):
+            typer.echo(f"fine-tuning job {job_id} was interrupted by a restart: marked failed", err=True)
+    finally:
+        store.close()
+    args = [sys.executable, "-m", "gaussdp.cli", "worker", "--db", db, "--data-dir", str(data_dir.resolve())]
+    args += ["--lease-s", str(lease_s), "--parent-pid", str(_pid())]
+    for spec in model:
+        args += ["--model", spec]
+    procs = [subprocess.Popen(args) for _ in range(n)]
+    if n:
+        typer.echo(f"{n} fine-tuning worker(s): pids {', '.join(str(p.pid) for p in procs)}")
+    return procs
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def worker(
+    db: str = typer.Option(DEFAULT_DB, "--db", envvar="GAUSSDP_DB", help=_DB_HELP),
+    data_dir: Path = typer.Option(
+        ..., "--data-dir", envvar="GAUSSDP_DATA_DIR", help="The server's data directory (shared)."
+    ),
+    model: list[str] = typer.Option(
+        [], "--model", help="NAME=PATH: a base model this worker trains (a local Hugging Face directory)."
+    ),
+    lease_s: float = typer.Option(
+        60.0, "--lease-s", envvar="GAUSSDP_FINETUNE_LEASE_S", help="Heartbeat lease of a running job."
+    ),
+    poll_s: float = typer.Option(1.0, "--poll-s", help="Seconds between looks at an empty queue."),
+    max_jobs: int | None = typer.Option(None, "--max-jobs", min=1, help="Exit after this many jobs."),
+    parent_pid: int | None = typer.Option(None, "--parent-pid", hidden=True),
+) -> None:
+    """Run fine-tuning jobs from the ledger's database (PostgreSQL for several machines).
+
+    Takes queued jobs for the --model names given (the same names as the server's), trains each in
+    this process, writes the adapter under --data-dir (shared with the server), until interrupted.
+    """
+    import logging
+    import os
+
+    from gaussdp.service.loading import parse_named_paths
+    from gaussdp.service.worker import run_worker
+
+    specs = model or [line for line in os.environ.get("GAUSSDP_MODELS", "").splitlines() if line.strip()]
+    try:
+        models = parse_named_paths("--model", specs)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    for name, path in models.items():
+        if not Path(path).is_dir():
+            typer.echo(f"error: model {name}: {path!r} is not a local directory", err=True)
+            raise typer.Exit(2)
+    if not models:
+        typer.echo("warning: no --model given: this worker takes no job", err=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import signal
+
+    def _interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)  # a stopped server's workers end their job as failed
+    try:
+        run_worker(
+            db, data_dir, models, poll_s=poll_s, lease_s=lease_s, max_jobs=max_jobs, parent_pid=parent_pid
+        )
+    except KeyboardInterrupt:
+        pass
 
 
 def _load_models_and_adapters(model: list[str], adapter: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:

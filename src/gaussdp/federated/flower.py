@@ -98,7 +98,7 @@ def save_checkpoint(
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     keys = list(arrays.keys())
-    data = {f"a{i}": a for i, a in enumerate(arrays.to_numpy_ndarrays())}
+    data: dict[str, Any] = {f"a{i}": a for i, a in enumerate(arrays.to_numpy_ndarrays())}
     meta = {"round": int(round_num), "clip_norm": float(clip_norm), "keys": keys}
     fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
     try:
@@ -264,7 +264,8 @@ class DPFedAvgStrategy(Strategy):
 
     def _delta(self, reply: Message) -> tuple[np.ndarray, float | None] | str:
         """The reply's update and reported norm, or why it counts as a dropout."""
-        assert self._global is not None and self._plan is not None
+        if self._global is None or self._plan is None:
+            raise RuntimeError("a reply arrived before configure_train planned its round")
         if reply.has_error():
             return f"error: {reply.error.reason}"
         records = list(reply.content.array_records.values())
@@ -301,7 +302,8 @@ class DPFedAvgStrategy(Strategy):
         plan = self._plan
         if plan is None or plan.round_num != server_round:
             raise PrivacyError(f"round {server_round} was not configured by this strategy")
-        assert self._global is not None
+        if self._global is None:
+            raise RuntimeError(f"round {server_round} has no global model (start() sets it)")
         rows: list[tuple[int, np.ndarray, float | None]] = []
         for reply in replies:
             node = int(reply.metadata.src_node_id)
@@ -418,7 +420,8 @@ class DPFedAvgStrategy(Strategy):
                 break
             replies = grid.send_and_receive(messages, timeout=timeout) if messages else []
             new_arrays, metrics = self.aggregate_train(rnd, replies)
-            assert new_arrays is not None and metrics is not None
+            if new_arrays is None or metrics is None:
+                raise RuntimeError(f"round {rnd}: aggregate_train returned no model")
             arrays = new_arrays
             if self.checkpoint is not None:
                 save_checkpoint(

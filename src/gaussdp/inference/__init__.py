@@ -6,6 +6,9 @@
 * Split mode (document 000): :func:`client_forward` / :func:`server_lora_delta` /
   :func:`client_finish`, with a :class:`LoRABackend` for the server's delta computation
   (:class:`PlainLoRABackend`; :class:`CKKSLoRABackend` with TenSEAL, optional).
+* CKKS split mode across the wire (:mod:`gaussdp.inference.ckks`, extra ``he``): the client's
+  :class:`CKKSClient` keeps the secret key; the server's :func:`ckks_lora_delta` computes the whole
+  delta on ciphertext (packed, baby-step/giant-step), from a :class:`CKKSPublicContext`.
 * Diagnostics: :func:`analytic_snr`, :func:`measure_snr`, :func:`output_effect`,
   :func:`utility_report`.
 
@@ -21,6 +24,7 @@ require_extra("torch", feature="gaussdp.inference")
 
 from gaussdp.inference._layers import find_last_block, resolve_layer
 from gaussdp.inference.backends import CKKSLoRABackend, LoRABackend, PlainLoRABackend
+from gaussdp.inference.ckks import CKKSClient, CKKSLoRAPlan, CKKSPublicContext, ckks_lora_delta
 from gaussdp.inference.diagnostics import (
     OutputEffect,
     SNRFigures,
@@ -39,7 +43,10 @@ from gaussdp.inference.split import (
 )
 
 __all__ = [
+    "CKKSClient",
     "CKKSLoRABackend",
+    "CKKSLoRAPlan",
+    "CKKSPublicContext",
     "HiddenStatePrivatizer",
     "LoRABackend",
     "OutputEffect",
@@ -48,6 +55,7 @@ __all__ = [
     "SNRFigures",
     "UtilityReport",
     "analytic_snr",
+    "ckks_lora_delta",
     "client_finish",
     "client_forward",
     "find_last_block",

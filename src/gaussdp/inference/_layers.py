@@ -87,7 +87,11 @@ def resolve_layer(model: nn.Module | None, layer: str | int | nn.Module | None) 
         path, _ = find_last_block(model)
         list_path = path.rsplit(".", 1)[0]
         blocks = model.get_submodule(list_path)
-        assert isinstance(blocks, nn.ModuleList)
+        if not isinstance(blocks, nn.ModuleList):
+            raise TypeError(
+                f"layer={layer} is an index, but the model's blocks at {list_path!r} are a "
+                f"{type(blocks).__name__}, not an nn.ModuleList: give a module path or a module"
+            )
         try:
             module = blocks[layer]
         except IndexError:

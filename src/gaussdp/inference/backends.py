@@ -5,6 +5,10 @@ The privacy of the hidden state in split mode comes from the client's clipping a
 CKKS result sees ``A @ h_noised``, which is post-processing of the noised state. CKKS (document 000's
 HE-LoRA) only keeps the server from seeing ``h_noised`` itself while it computes.
 
+:class:`CKKSLoRABackend` holds the secret key in the process that computes (a demonstration and a
+baseline). For a real split across the wire, where the server never holds the secret key and
+computes the whole delta on ciphertext (packed, about 15x faster), use :mod:`gaussdp.inference.ckks`.
+
 Measured on the shared 2-core CPU of this project (``benchmarks/bench_inference.py``): one product of
 an encrypted 1536-vector by a plaintext 1536x32 matrix takes about 3.6 s as 32 ``dot`` products and
 about 94 s with TenSEAL's ``matmul`` (26x slower), against about 10 microseconds in the clear.

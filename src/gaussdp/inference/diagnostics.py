@@ -288,7 +288,8 @@ def utility_report(
                 with priv:
                     private = _logits(model(ids))
             stats = priv.last_release
-            assert stats is not None
+            if stats is None:
+                raise RuntimeError("the privatizer's hook did not run: its layer is not used by the model")
             dim = stats.dim
             effects.append(output_effect(clean, private, ids))
             norms.append(stats.mean_norm)

@@ -400,7 +400,8 @@ class HiddenStatePrivatizer(SetOnce):
         """Each clipped row plus N(0, sigma^2 I), floating-point safe unless ``noise="fast"``."""
         from gaussdp.noise import add_gaussian_rows
 
-        assert self._source is not None  # only called with noise on
+        if self._source is None:  # only called with noise on
+            raise RuntimeError("internal: noise requested from a privatizer without a noise source")
         with self._lock:  # one noise source per privatizer; sources are not thread-safe
             # One norm-bounded release per row (the core's row path): the grid rounding keeps each
             # row's norm <= C, so the sensitivity (2C or C) has no discretisation cost.

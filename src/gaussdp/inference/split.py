@@ -201,7 +201,6 @@ def server_lora_delta(
         UnsafeInput: shapes do not match, or NaN/Inf anywhere.
     """
     s = real_number("scaling", scaling)
-    is_torch = isinstance(h_noised, torch.Tensor)
     if isinstance(h_noised, torch.Tensor):
         h = h_noised.detach().cpu().double().numpy()
     else:
@@ -219,7 +218,6 @@ def server_lora_delta(
     rows = h.reshape(-1, h.shape[-1])
     out = (backend or PlainLoRABackend()).delta(rows, a, b, s)
     out = np.asarray(out, dtype=np.float64).reshape(*h.shape[:-1], b.shape[0])
-    if is_torch:
-        assert isinstance(h_noised, torch.Tensor)
+    if isinstance(h_noised, torch.Tensor):
         return torch.as_tensor(out, dtype=h_noised.dtype, device=h_noised.device)
     return out

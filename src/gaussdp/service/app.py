@@ -5,7 +5,8 @@ the key's scope (read < release < admin) does not allow the route; 429 the key's
 (``Retry-After``); 404 a session this tenant does not own (another tenant's
 sessions are indistinguishable from missing ones); 409 the session's budget cannot pay for the
 release (``BudgetExhausted``: nothing was charged or released), an idempotency key was already
-used for a release, or concurrent charges kept moving the session's history (``ledger_contention``,
+charged and answered (``idempotency_key_used``: nothing new charged or released), or concurrent
+charges kept moving the session's history (``ledger_contention``,
 with ``Retry-After``), or the tenant's cap on sessions or total epsilon
 (``tenant_limit_exceeded``); 413 request body over ``max_body_bytes``; 422 invalid arguments, naming them,
 or a request that needs more than ``cpu_limit_s`` of numeric work (``work_limit_exceeded``; nothing
@@ -17,7 +18,13 @@ Split mode (document 000) has two endpoints. ``/hidden-state`` is for a TRUSTED 
 the clean hidden state, clips and noises it itself. ``/lora-delta`` is for an honest-but-curious
 server: the client clips and noises (:func:`gaussdp.inference.client_forward`), the server only
 computes the LoRA delta of the noised rows with an adapter it holds, and charges the session the
-privacy the client declares it spent (the server cannot verify that noise).
+privacy the client declares it spent (the server cannot verify that noise). With the ``he`` extra
+the same adapters are also served encrypted, ``/ckks-context`` and ``/ckks-lora-delta``
+(:mod:`gaussdp.service.ckks`): the server computes the delta on CKKS ciphertext it cannot decrypt.
+
+Private generation with the models of ``gaussdp serve --model`` (``POST`` and WebSocket
+``/v1/sessions/{id}/generate``, one charge per token before it is sent) lives in
+:mod:`gaussdp.service.streaming`, which documents the WebSocket protocol and its close codes.
 """
 
 # No "from __future__ import annotations": FastAPI resolves the local Annotated aliases at runtime.
@@ -25,9 +32,11 @@ privacy the client declares it spent (the server cannot verify that noise).
 import base64
 import binascii
 import functools
+import importlib.util
 import json
 import logging
 import math
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -80,7 +89,7 @@ from gaussdp.service.models import (
     SessionIn,
     SessionOut,
 )
-from gaussdp.service.responses import CURSOR_PATTERN, after_cursor, cursor_after
+from gaussdp.service.responses import CURSOR_PATTERN, IdempotencyKeyUsed, after_cursor, cursor_after
 from gaussdp.service.responses import responses as error_responses
 
 __all__ = [
@@ -115,6 +124,8 @@ def create_app(
     rate_limit_burst: int | None = None,
     text: Literal["keyed", "public", "off"] = "keyed",
     metrics: Literal["keyed", "public", "off"] = "keyed",
+    data_dir: str | None = None,
+    model_paths: Mapping[str, str] | None = None,
 ) -> FastAPI:
     """Build the service over a ledger (opened from ``ledger_url`` unless ``ledger`` is given).
 
@@ -140,6 +151,11 @@ def create_app(
         metrics: ``/metrics`` in Prometheus text format (:mod:`gaussdp.service.metrics`):
             ``"keyed"`` (default: an ``admin`` key; tenant names are labels), ``"public"`` (for a
             scraper on a private network), or ``"off"``.
+        data_dir: where uploaded corpora and trained adapters live; given, the fine-tuning routes
+            (:mod:`gaussdp.service.finetune`) are served (they need a durable ledger and the
+            ``torch`` extra; jobs are trained by :mod:`gaussdp.service.worker` processes).
+        model_paths: base models fine-tuning jobs may name: name -> local directory (``gaussdp serve
+            --model NAME=PATH``); never from a request.
     """
     if metrics not in ("keyed", "public", "off"):
         raise ValueError(f"metrics must be 'keyed', 'public' or 'off', got metrics={metrics!r}")
@@ -154,10 +170,14 @@ def create_app(
     tenants = KeyCache(led)
     adapters = _lora_adapters(lora_adapters)
     lora_delta_of = _server_lora_delta() if adapters else None
+    ckks = bool(adapters) and importlib.util.find_spec("tenseal") is not None  # the `he` extra
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        jobs_store = getattr(app.state, "jobs", None)
+        if jobs_store is not None:
+            jobs_store.close()
         if owns_ledger:
             led.close()
 
@@ -168,7 +188,12 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.ledger = led
-    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
+    path_limits = _ckks_body_limits(ckks)
+    if data_dir is not None:
+        from gaussdp.service.finetune import CORPORA_PATH, MAX_CORPUS_BYTES
+
+        path_limits[re.escape(CORPORA_PATH)] = MAX_CORPUS_BYTES  # corpora have their own limit
+    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes, path_limits=path_limits)
 
     def refused(reason: str) -> None:
         if stats is not None:
@@ -264,6 +289,11 @@ def create_app(
     async def _exhausted(request: Request, exc: BudgetExhausted) -> JSONResponse:
         refused("budget_exhausted")
         return JSONResponse({"detail": str(exc), "error": "budget_exhausted"}, status_code=409)
+
+    @app.exception_handler(IdempotencyKeyUsed)
+    async def _replayed(request: Request, exc: IdempotencyKeyUsed) -> JSONResponse:
+        refused("idempotency_key_used")
+        return JSONResponse({"detail": str(exc), "error": "idempotency_key_used"}, status_code=409)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -555,8 +585,7 @@ def create_app(
                 raise HTTPException(422, "noised: the delta overflows (rows far too large); nothing charged")
         receipt = led.charge(p, event, body.idempotency_key, key_id=who.key_id)
         if receipt.replayed:
-            raise HTTPException(
-                409,
+            raise IdempotencyKeyUsed(
                 f"idempotency_key={body.idempotency_key!r} was already charged and answered "
                 "(the first response is the only one)",
             )
@@ -575,6 +604,42 @@ def create_app(
             spent=Privacy(epsilon=spent.epsilon, delta=spent.delta),
             remaining=Privacy(epsilon=max(0.0, budget.epsilon - spent.epsilon), delta=budget.delta),
         )
+
+    if ckks:  # CKKS split mode (gaussdp.service.ckks): the same adapters, charge path and key check
+        from gaussdp.service.ckks import ckks_router
+
+        app.include_router(
+            ckks_router(
+                adapters=adapters,
+                ledger=led,
+                releaser=needs("release"),
+                owned=owned,
+                charged=charged,
+                sensitivity_of=_sensitivity,
+                row_event=_row_event,
+                bounded=bounded,
+            )
+        )
+
+    def ws_caller(key: str | None) -> Caller:  # the WebSocket route's key: same checks as a header
+        creds = None if key is None else HTTPAuthorizationCredentials(scheme="Bearer", credentials=key)
+        return needs("release")(caller_of(creds))
+
+    from gaussdp.service.streaming import generation_router
+
+    app.include_router(
+        generation_router(
+            ledger=led,
+            releaser=Releaser,
+            authenticate=ws_caller,
+            owned=owned,
+            noise=noise,
+            cpu_limit_s=cpu_limit_s,
+            on_charged=charged,
+            on_refused=refused,
+            responses=error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
+        )
+    )
 
     if stats is not None:
         deps = [Depends(needs("admin"))] if metrics == "keyed" else []
@@ -595,7 +660,33 @@ def create_app(
     if text != "off":
         keyed = [Depends(needs("release"))] if text == "keyed" else []
         _include_optional_routers(app, keyed)
+    if data_dir is not None:
+        from gaussdp.service.finetune import make_finetune_router
+        from gaussdp.service.jobs import JobStore
+
+        jobs = JobStore(_durable_url(led))
+        app.state.jobs = jobs
+        app.state.model_paths = dict(model_paths or {})
+        app.include_router(
+            make_finetune_router(
+                ledger=led,
+                jobs=jobs,
+                data_dir=data_dir,
+                model_paths=app.state.model_paths,
+                reader=needs("read"),
+                releaser=needs("release"),
+                bounded=bounded,
+            )
+        )
     return app
+
+
+def _durable_url(led: Ledger) -> str:
+    """The database URL of ``led`` (fine-tuning keeps its jobs there), also for ``Ledger(store=...)``."""
+    path = getattr(led.store, "path", None)
+    if not led.url.startswith(("sqlite://", "postgresql://", "postgres://")) and isinstance(path, str):
+        return f"sqlite:///{path}"
+    return led.url
 
 
 def create_text_app() -> FastAPI:
@@ -604,6 +695,15 @@ def create_text_app() -> FastAPI:
     app = FastAPI(title="gaussdp text", version=_version())
     _include_optional_routers(app, [])
     return app
+
+
+def _ckks_body_limits(ckks: bool) -> dict[str, int]:
+    """The CKKS routes' own body limits (rotation keys weigh several MB), when they are served."""
+    if not ckks:
+        return {}
+    from gaussdp.service.ckks import BODY_LIMITS
+
+    return dict(BODY_LIMITS)
 
 
 def _sensitivity(clip_norm: float, neighbouring: str) -> float:
@@ -705,8 +805,7 @@ def _charge_then_release(
     """The ledger's charge-before-release, keeping the receipt for the response."""
     receipt = led.charge(p, mech.event, key, key_id=key_id)
     if receipt.replayed:
-        raise HTTPException(
-            409,
+        raise IdempotencyKeyUsed(
             f"idempotency_key={key!r} was already charged and released; a second noisy value would not "
             "be covered by that charge (the first response is the only one)",
         )
@@ -727,7 +826,8 @@ def _mechanism(
 def _vector(values: list[float] | None, b64: str | None, b64_name: str) -> np.ndarray:
     if values is not None:
         return np.asarray(values, dtype=np.float64)
-    assert b64 is not None
+    if b64 is None:
+        raise HTTPException(422, f"give the vector as a JSON list or as {b64_name}")
     try:
         raw = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError):

@@ -11,6 +11,7 @@ variable                       meaning                                         d
 ``GAUSSDP_TEXT``               ``keyed``, ``public`` or ``off``                 ``keyed``
 ``GAUSSDP_METRICS``            ``keyed``, ``public`` or ``off``                 ``keyed``
 ``GAUSSDP_NOISE``              ``secure`` or ``fast``                           ``secure``
+``GAUSSDP_DATA_DIR``           corpora and adapters; enables fine-tuning        none (off)
 =============================  ==============================================  ===================
 
 ``gaussdp serve`` also reads ``GAUSSDP_HOST``, ``GAUSSDP_PORT``, ``GAUSSDP_WORKERS``,
@@ -35,6 +36,7 @@ ENV = {
     "text": "GAUSSDP_TEXT",
     "metrics": "GAUSSDP_METRICS",
     "noise": "GAUSSDP_NOISE",
+    "data_dir": "GAUSSDP_DATA_DIR",
 }
 
 
@@ -56,6 +58,7 @@ _PARSE: dict[str, Callable[[str], Any]] = {
     "text": _choice("keyed", "public", "off"),
     "metrics": _choice("keyed", "public", "off"),
     "noise": _choice("secure", "fast"),
+    "data_dir": str,
 }
 
 
@@ -87,18 +90,29 @@ def app_from_env() -> Any:
     """A service app configured by ``GAUSSDP_*`` (uvicorn factory of ``gaussdp serve``, per worker).
 
     Models and LoRA adapters named in ``GAUSSDP_MODELS`` / ``GAUSSDP_ADAPTERS`` are read here, once
-    per worker, from local directories (``gaussdp serve`` checked them before listening).
+    per worker, from local directories (``gaussdp serve`` checked them before listening), with the
+    tokenizer saved next to each model when there is one (``/generate`` then takes text prompts).
     """
     from gaussdp.service.app import create_app
 
     models: dict[str, Any] = {}
+    tokenizers: dict[str, Any] = {}
     adapters: dict[str, Any] = {}
+    model_paths: dict[str, str] = {}
     model_specs, adapter_specs = _named_paths(MODELS_ENV, os.environ), _named_paths(ADAPTERS_ENV, os.environ)
     if model_specs or adapter_specs:
-        from gaussdp.service.loading import load_causal_lm, load_lora_adapter, parse_named_paths
+        from gaussdp.service.loading import (
+            load_causal_lm,
+            load_lora_adapter,
+            load_tokenizer,
+            parse_named_paths,
+        )
 
-        models = {n: load_causal_lm(p) for n, p in parse_named_paths("--model", model_specs).items()}
+        model_paths = parse_named_paths("--model", model_specs)
+        models = {n: load_causal_lm(p) for n, p in model_paths.items()}
+        tokenizers = {n: t for n, p in model_paths.items() if (t := load_tokenizer(p)) is not None}
         adapters = {n: load_lora_adapter(p) for n, p in parse_named_paths("--adapter", adapter_specs).items()}
-    app = create_app(**settings_from_env(), lora_adapters=adapters or None)
+    app = create_app(**settings_from_env(), lora_adapters=adapters or None, model_paths=model_paths)
     app.state.models = models
+    app.state.tokenizers = tokenizers  # served generation takes text prompts for these models
     return app

@@ -2,15 +2,19 @@
 
 A declared ``Content-Length`` over the limit is answered 413 before a byte of the body is read; a
 body without one (chunked) is counted as it streams in and cut off with 413 as soon as it passes
-the limit.
+the limit. ``path_limits`` gives some routes their own limit (regular expressions matched against the
+whole path, first match wins), e.g. the upload of a CKKS public context, whose rotation keys weigh
+several megabytes.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -19,24 +23,30 @@ __all__ = ["BodySizeLimit", "BodyTooLarge", "RateLimiter"]
 
 
 class BodyTooLarge(HTTPException):
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, *, own_limit: bool = False) -> None:
+        hint = (
+            "this route's own limit (decimal bytes); split the upload"
+            if own_limit
+            else "max_body_bytes); send a smaller vector or use vector_b64 (4 bytes per float32"
+        )
         super().__init__(
-            status_code=413,
-            detail=f"request body too large: the limit is {limit} bytes (max_body_bytes); "
-            "send a smaller vector or use vector_b64 (4 bytes per float32)",
+            status_code=413, detail=f"request body too large: the limit is {limit} bytes ({hint})"
         )
 
 
 class BodySizeLimit:
-    def __init__(self, app: Any, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, max_body_bytes: int, path_limits: Mapping[str, int] | None = None) -> None:
         self.app = app
         self.max_body_bytes = int(max_body_bytes)
+        self.path_limits = [(re.compile(rx), int(n)) for rx, n in (path_limits or {}).items()]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.max_body_bytes
+        path = scope.get("path", "")
+        own = next((n for rx, n in self.path_limits if rx.fullmatch(path)), None)
+        limit = self.max_body_bytes if own is None else own
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
@@ -45,7 +55,7 @@ class BodySizeLimit:
                     await _reply(send, 400, "invalid Content-Length header")
                     return
                 if declared > limit:
-                    await _reply(send, 413, BodyTooLarge(limit).detail)
+                    await _reply(send, 413, BodyTooLarge(limit, own_limit=own is not None).detail)
                     return
         received = 0
         started = False
@@ -56,7 +66,7 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise BodyTooLarge(limit)
+                    raise BodyTooLarge(limit, own_limit=own is not None)
             return message
 
         async def tracking_send(message: Any) -> None:

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_causal_lm", "load_lora_adapter", "parse_named_paths"]
+__all__ = ["load_causal_lm", "load_lora_adapter", "load_tokenizer", "parse_named_paths"]
 
 
 def parse_named_paths(option: str, values: list[str] | None) -> dict[str, str]:
@@ -50,6 +50,21 @@ def load_causal_lm(path: str | Path) -> Any:
         return AutoModelForCausalLM.from_pretrained(p, local_files_only=True).eval()
     except (OSError, ValueError) as exc:
         raise ValueError(f"model {str(p)!r} could not be loaded as a causal LM: {exc}") from None
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer saved next to a model (``tokenizer.save_pretrained``), or ``None`` when the
+    directory holds none (the model then takes ``prompt_ids`` only)."""
+    from transformers import AutoTokenizer
+
+    p = _directory("model", path)
+    # transformers may build an empty tokenizer from a config alone: look for the files first
+    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model {str(p)!r}: its tokenizer could not be loaded: {exc}") from None
 
 
 def load_lora_adapter(spec: str | Path) -> tuple[Any, Any, float]:

@@ -12,6 +12,9 @@ __all__ = [
     "AuditLine",
     "BudgetIn",
     "ErrorOut",
+    "GenerateIn",
+    "GenerateOut",
+    "GeneratedToken",
     "HiddenStateIn",
     "HiddenStateOut",
     "HistoryPage",
@@ -244,5 +247,89 @@ class LoraDeltaOut(BaseModel):
     sensitivity: float
     noise_multiplier: float = Field(description="sigma / sensitivity of each row's charged GaussianEvent.")
     charge_id: int
+    spent: Privacy
+    remaining: Privacy
+
+
+# ---------------------------------------------------------------- private generation (streaming.py)
+
+MAX_NEW_TOKENS = 256  # per request: each token is one forward pass (bounded work)
+MAX_PROMPT_TOKENS = 512
+MAX_PROMPT_CHARS = 16_384
+LAYER_PATTERN = r"^[A-Za-z0-9_.]{1,200}$"
+
+
+class GenerateIn(_Strict):
+    """Greedy generation through a served model whose hidden state at ``layer`` is clipped and noised
+    for every token (:class:`gaussdp.inference.HiddenStatePrivatizer` semantics), one charge per token.
+
+    The noise is given as ``sigma``, as ``noise_multiplier`` (``sigma / sensitivity``), or as a
+    per-row ``epsilon`` and ``delta`` (calibrated exactly, analytic Gaussian).
+    """
+
+    model: str = Field(min_length=1, max_length=128, description="Name of a model the server holds.")
+    prompt: str | None = Field(
+        None, min_length=1, max_length=MAX_PROMPT_CHARS, description="Text (needs the model's tokenizer)."
+    )
+    prompt_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, min_length=1, max_length=MAX_PROMPT_TOKENS, description="Token ids instead of text."
+    )
+    max_new_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS, description="Tokens to generate (each charged).")
+    sigma: float | None = Field(None, gt=0, le=1e12, allow_inf_nan=False, description="Noise std.")
+    noise_multiplier: float | None = Field(
+        None, gt=0, le=1e12, allow_inf_nan=False, description="sigma / sensitivity, instead of sigma."
+    )
+    epsilon: float | None = Field(None, gt=0, le=100, allow_inf_nan=False, description="Per-row epsilon.")
+    delta: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False, description="Per-row delta.")
+    clip_norm: float = Field(1.0, gt=0, le=1e6, allow_inf_nan=False, description="L2 clip of each row.")
+    layer: Annotated[int, Field(ge=-1024, le=1024)] | Annotated[str, Field(pattern=LAYER_PATTERN)] | None = (
+        Field(
+            None,
+            description="A transformer block: its index (negative from the end) or its path "
+            "('transformer.h.0'); default the last block. Modules inside a block are refused.",
+        )
+    )
+    neighbouring: Neighbouring = Field(DEFAULT_HIDDEN_STATE_NEIGHBOURING, description=_RELATION_HELP)
+    stop_at_eos: bool = Field(True, description="End after the tokenizer's end-of-sequence token.")
+    idempotency_key: IdempotencyKey | None = Field(
+        None,
+        description="Token i is charged with key '<idempotency_key>/<i>': a retried request is refused "
+        "(409 idempotency_key_used) instead of being charged or answered twice.",
+    )
+
+    @model_validator(mode="after")
+    def _one_prompt_one_noise(self) -> GenerateIn:
+        if (self.prompt is None) == (self.prompt_ids is None):
+            raise ValueError("give exactly one of prompt and prompt_ids")
+        ways = [self.sigma is not None, self.noise_multiplier is not None, self.epsilon is not None]
+        if sum(ways) != 1:
+            raise ValueError("give exactly one of sigma, noise_multiplier, or epsilon (with delta)")
+        if (self.epsilon is None) != (self.delta is None):
+            raise ValueError("epsilon and delta go together")
+        return self
+
+
+class GeneratedToken(BaseModel):
+    index: int = Field(description="0 for the first generated token.")
+    token_id: int
+    text: str | None = Field(description="The token decoded alone (null without a tokenizer).")
+    charge_id: int = Field(description="The ledger charge that paid for this token, made before it was sent.")
+
+
+class GenerateOut(BaseModel):
+    stream_id: str = Field(description="Charges of this generation have idempotency keys '<stream_id>/<i>'.")
+    model: str
+    prompt_tokens: int = Field(description="Rows released (and charged) with the first token.")
+    tokens: list[GeneratedToken]
+    text: str | None = Field(description="All generated tokens decoded (null without a tokenizer).")
+    finish_reason: Literal["length", "eos", "budget_exhausted", "error"]
+    error: str | None = Field(None, description="budget_exhausted when the budget ran out mid-generation.")
+    detail: str | None = None
+    layer: str
+    sigma: float
+    clip_norm: float
+    neighbouring: Neighbouring
+    sensitivity: float
+    noise_multiplier: float
     spent: Privacy
     remaining: Privacy

@@ -8,7 +8,15 @@ from typing import Any
 
 from gaussdp.service.models import ErrorOut, InvalidOut
 
-__all__ = ["CURSOR_PATTERN", "after_cursor", "cursor_after", "responses"]
+__all__ = ["CURSOR_PATTERN", "IdempotencyKeyUsed", "after_cursor", "cursor_after", "responses"]
+
+
+class IdempotencyKeyUsed(Exception):
+    """A request's idempotency key was already charged and answered: the service answers 409
+    ``idempotency_key_used`` and releases nothing new (a second noisy answer would not be covered
+    by the one charge). A client that retried after losing the first answer gets this, not a
+    second charge."""
+
 
 _RETRY_AFTER = {
     "Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}
@@ -21,10 +29,14 @@ _ERRORS: dict[int, dict[str, Any]] = {
         "headers": {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},
     },
     403: {"model": ErrorOut, "description": "The API key's scopes do not allow this route."},
-    404: {"model": ErrorOut, "description": "No such session for this tenant (others' are invisible)."},
+    404: {
+        "model": ErrorOut,
+        "description": "No such session (or corpus, or job) for this tenant (others' are invisible).",
+    },
     409: {
         "model": ErrorOut,
-        "description": "budget_exhausted (nothing charged or released), a used idempotency key, "
+        "description": "budget_exhausted (nothing charged or released), idempotency_key_used (charged "
+        "and answered before: nothing new charged or released), "
         "session_conflict, or ledger_contention (with Retry-After).",
         "headers": _RETRY_AFTER,
     },

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -78,7 +78,8 @@ class _Call:
         self.out_node: Any = None  # a linear layer's output node (to find a ReLU and layer after it)
         self.relu: _ReluLink | None = None  # the linear layer this one's output feeds through ReLU
         # (parameter, part, squared norms or None) once built, possibly during the backward pass
-        self.pairs: list[tuple[nn.Parameter, Part, torch.Tensor | None]] | None = None
+        # part None: summed at once under per-layer clipping (only its squared norms are kept)
+        self.pairs: list[tuple[nn.Parameter, Part | None, torch.Tensor | None]] | None = None
 
     def release(self) -> None:
         """Drop the kept inputs and gradients (the parts hold what they need)."""
@@ -654,7 +655,8 @@ class PerSampleClipper:
             pairs = c.pairs if c.pairs is not None else [(p, q, None) for p, q in self._build(c)]
             c.pairs = None
             for p, part, sq in pairs:
-                sizes.add(part.batch_size if part is not None else int(sq.shape[0]))
+                # a pair without a part was summed at once and always carries its squared norms
+                sizes.add(part.batch_size if part is not None else int(cast(torch.Tensor, sq).shape[0]))
                 by_param.setdefault(p, []).append((part, sq))
         if len(sizes) > 1:
             raise UnsafeInput(
@@ -685,7 +687,8 @@ class PerSampleClipper:
         sq = None
         parts: dict[nn.Parameter, Part] = {}
         for p, (part, early) in built.items():
-            assert part is not None or early is not None
+            if part is None and early is None:
+                raise RuntimeError(f"internal: parameter {tuple(p.shape)} has neither a part nor its norms")
             s = early if early is not None else part.sq_norms()  # type: ignore[union-attr]
             sq = s if sq is None else sq + s.to(sq.dtype)
             if part is None:
@@ -695,7 +698,8 @@ class PerSampleClipper:
             else:
                 parts[p] = part
         del built
-        assert sq is not None
+        if sq is None:
+            raise RuntimeError("internal: a pass ended with no per-sample norms")
         scale = self._scale(b)
         norms = sq.sqrt() * scale
         if not bool(torch.isfinite(norms).all()):
@@ -717,7 +721,8 @@ class PerSampleClipper:
 
     def _accumulate(self, p: nn.Parameter, part: Part, w: torch.Tensor) -> None:
         if self.keep_grad_sample:  # asked for: materialised, unclipped, as Opacus's grad_sample
-            p.grad_sample = (part.materialise() * self._scale(part.batch_size)).to(p.dtype)
+            # Opacus's attribute, set on the Parameter at run time (not in torch's stubs)
+            p.grad_sample = (part.materialise() * self._scale(part.batch_size)).to(p.dtype)  # type: ignore[attr-defined]
         prev = self.summed.get(p)
         if prev is None and self.prefill is not None:
             filled = self.prefill(p)

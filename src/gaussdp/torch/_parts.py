@@ -92,7 +92,8 @@ def _ghost_sq_norms(a: torch.Tensor, gs: list[torch.Tensor]) -> torch.Tensor:
     gram_g = None
     for g in gs:
         gram_g = _grams(_acc(g), h, gram_g)
-    assert gram_g is not None
+    if gram_g is None:
+        raise RuntimeError("internal: a Gram product needs at least one output gradient")
     sq = [(x * y).flatten(1).sum(1) for x, y in zip(gram_a, gram_g, strict=True)]
     return sq[0] if h == 0 else sq[0] + sq[1] + 2 * sq[2]
 
@@ -229,7 +230,8 @@ class ReluFedPart(LinearPart):
     @property
     def g(self) -> torch.Tensor:  # type: ignore[override]
         if self._g is None:
-            assert self._src is not None
+            if self._src is None:
+                raise RuntimeError("internal: a ReLU-fed part has neither its gradient nor its source")
             a2, g2, w2, version = self._src
             if w2._version != version:
                 raise UnsafeInput(
@@ -306,7 +308,7 @@ class ConvPart:
 
     @property
     def batch_size(self) -> int:
-        return int(self.b.shape[0]) if self.b is not None else int(self._ps.shape[0])  # type: ignore[union-attr]
+        return int(self.b.shape[0]) if self.b is not None else int(self._ps.shape[0])
 
     def stored(self) -> int:
         if self._ps is not None:
@@ -414,7 +416,8 @@ class ConvPart:
             shift = sum(o[d] * self.dilation[d] * st[d] for d in range(nd))
             block = gx.as_strided(sizes, strides, gx.storage_offset() + shift * (len(x[0, 0]) + 1))
             acc = block.clone() if acc is None else acc.add_(block)
-        assert acc is not None
+        if acc is None:
+            raise RuntimeError("internal: a convolution with an empty kernel")
         gg = torch.bmm(grads.transpose(1, 2), grads)  # (m G, T, T)
         return (acc.view_as(gg) * gg).flatten(1).sum(1)
 

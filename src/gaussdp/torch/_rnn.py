@@ -114,13 +114,16 @@ def rnn_parts(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-de
                     h, c = _cell(m.mode, gi[:, t], gh, h, c)
                     hs.append(h)
                 if d:
-                    ghs.reverse(), prev.reverse(), hs.reverse()
+                    ghs.reverse()
+                    prev.reverse()
+                    hs.reverse()
                 records.append((sfx, layer_in.detach(), gi, ghs, prev))
                 finals_h.append(h)
                 finals_c.append(c)
                 outs.append(torch.stack(hs, 1))
             layer_in = torch.cat(outs, -1) if dirs > 1 else outs[0]
         outputs, g_outputs = [], []
+        out: Any  # the output tensor, or the list of final states (cells of an LSTM only: g_c is None else)
         for out, g in ((layer_in, g_out), (finals_h, g_h), (finals_c, g_c)):
             if g is not None:
                 outputs.append(out if isinstance(out, torch.Tensor) else torch.stack(out))

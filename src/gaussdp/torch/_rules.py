@@ -12,7 +12,7 @@ sample with ``torch.func`` and materialises that module's per-sample gradients.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -96,7 +96,7 @@ def _embedding_bag(module, args, kwargs, grads, owned):  # type: ignore[no-untyp
     if idx.dim() == 2:
         sample = torch.arange(bags, device=idx.device).repeat_interleave(idx.shape[1])
     else:
-        offsets = offsets.to(idx.device)
+        offsets = cast(torch.Tensor, offsets).to(idx.device)  # 1-D input: EmbeddingBag required offsets
         ends = (
             offsets[1 : bags + 1]
             if m.include_last_offset
@@ -144,7 +144,7 @@ def _conv(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
         )
         out.append((owned["weight"], part))
     if "bias" in owned:
-        out.append((owned["bias"], DensePart(g.flatten(2).sum(2), m.bias.shape)))
+        out.append((owned["bias"], DensePart(g.flatten(2).sum(2), owned["bias"].shape)))
     return out
 
 
@@ -156,17 +156,18 @@ def _conv_transpose(module, args, kwargs, grads, owned):  # type: ignore[no-unty
     if g is None:
         return []
     m: nn.modules.conv._ConvTransposeNd = module
+    padding = cast(tuple[int, ...], m.padding)  # a transposed convolution has no string padding
     nd = len(m.kernel_size)
     if x.dim() == nd + 1:
         x, g = x.unsqueeze(0), g.unsqueeze(0)
     out: list[tuple[nn.Parameter, Part]] = []
     if "weight" in owned:
         part = ConvPart(
-            g, x, m.weight.shape, stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups
+            g, x, m.weight.shape, stride=m.stride, padding=padding, dilation=m.dilation, groups=m.groups
         )
         reads = [
             (n + 2 * p - d * (k - 1) - 1) // s + 1
-            for n, k, s, p, d in zip(g.shape[2:], m.kernel_size, m.stride, m.padding, m.dilation, strict=True)
+            for n, k, s, p, d in zip(g.shape[2:], m.kernel_size, m.stride, padding, m.dilation, strict=True)
         ]
         if reads != list(x.shape[2:]):  # output_padding >= stride: positions the adjoint never reads
             raise UnsafeInput(
@@ -175,7 +176,7 @@ def _conv_transpose(module, args, kwargs, grads, owned):  # type: ignore[no-unty
             )
         out.append((owned["weight"], part))
     if "bias" in owned:
-        out.append((owned["bias"], DensePart(g.flatten(2).sum(2), m.bias.shape)))
+        out.append((owned["bias"], DensePart(g.flatten(2).sum(2), owned["bias"].shape)))
     return out
 
 
@@ -579,8 +580,9 @@ def mha_capture(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> MH
     bound = dict(zip(_MHA_NAMES, args, strict=False))
     bound.update(kwargs)
     q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
-    tensors = all(isinstance(x, torch.Tensor) for x in (q, k, v))
-    if not (tensors and q.dim() == 3 and same_elements(q, k) and same_elements(q, v)):  # self-attention
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return None
+    if not (q.dim() == 3 and same_elements(q, k) and same_elements(q, v)):  # self-attention
         return None
     if bound.get("need_weights", True) or not isinstance(output, tuple) or output[1] is not None:
         return None
@@ -609,11 +611,12 @@ def mha_capture(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> MH
     saved = [getattr(node, f"_saved_{n}", None) for n in ("output", "query", "key", "value")]
     if not all(isinstance(x, torch.Tensor) and tuple(x.shape) == want for x in saved):
         return None
+    attn_out = cast(torch.Tensor, saved[0])  # a tensor: checked just above
     split = _split_projections(node, m.in_proj_weight)
     if split is not None:
-        return MHACapture(saved[0], node, ("split", split))
+        return MHACapture(attn_out, node, ("split", split))
     packed = _packed_projection(node, (t, b, 3 * e))
-    return MHACapture(saved[0], node, ("packed", [packed]) if packed is not None else None)
+    return MHACapture(attn_out, node, ("packed", [packed]) if packed is not None else None)
 
 
 def mha_captured_parts(module, args, kwargs, grads, owned, cap):  # type: ignore[no-untyped-def]

@@ -227,7 +227,7 @@ def check_once_per_pass(loader: DataLoader) -> None:
             f"{type(sampler).__name__}, which gaussdp cannot check: use shuffle=True or False"
         )
     if isinstance(sampler, RandomSampler) and (
-        sampler.replacement or sampler.num_samples > len(sampler.data_source)  # type: ignore[arg-type]
+        sampler.replacement or sampler.num_samples > len(sampler.data_source)
     ):
         raise InvalidParameter(
             "poisson_sampling=False needs each record at most once per pass, but data_loader's "

@@ -526,7 +526,8 @@ class PrivacyEngine:
         non-private for good (get_epsilon is then inf)."""
         from gaussdp.accounting import GaussianEvent, SubsampledGaussianEvent
 
-        assert self.sample_rate is not None
+        if self.sample_rate is None:
+            raise RuntimeError("a step was charged before make_private set the sample rate")
         if sigma <= 0:
             if not self.accountant.unnoised_steps and self.noise_multiplier:
                 warnings.warn(
@@ -585,10 +586,10 @@ def _unwrap_ddp(module: nn.Module) -> nn.Module:
     is not a dependency), else ``module``."""
     if isinstance(module, nn.parallel.DistributedDataParallel):
         return module.module
-    if type(module).__name__ == "DifferentiallyPrivateDistributedDataParallel" and isinstance(
-        getattr(module, "module", None), nn.Module
-    ):
-        return module.module
+    inner = getattr(module, "module", None)
+    dpddp = type(module).__name__ == "DifferentiallyPrivateDistributedDataParallel"
+    if dpddp and isinstance(inner, nn.Module):
+        return inner
     return module
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -191,10 +192,12 @@ def _replacement(name: str, m: nn.Module, max_groups: int) -> nn.Module:
     where = name or "<the model itself>"
     if isinstance(m, _BatchNorm | _InstanceNorm):
         ref = m.weight if m.weight is not None else m.running_mean
-        kw = {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}
+        kw: dict[str, Any] = {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}
         c = m.num_features
+        new: nn.GroupNorm | _InstanceNorm
         if isinstance(m, _InstanceNorm):
-            new: nn.Module = type(m)(c, eps=m.eps, momentum=m.momentum, affine=m.affine, **kw)
+            # momentum=None (a cumulative average) is valid at run time; torch's stubs say float
+            new = type(m)(c, eps=m.eps, momentum=m.momentum, affine=m.affine, **kw)  # type: ignore[arg-type]
         else:
             groups = 1 if isinstance(m, nn.BatchNorm1d) else _groups(c, max_groups)
             new = nn.GroupNorm(groups, c, eps=m.eps, affine=m.affine, **kw)
@@ -210,7 +213,8 @@ def _replacement(name: str, m: nn.Module, max_groups: int) -> nn.Module:
 
 
 def _rnn_replacement(where: str, m: nn.Module) -> nn.Module:
-    assert isinstance(m, nn.RNNBase)
+    if not isinstance(m, nn.RNNBase):
+        raise TypeError(f"{where}: expected a recurrent module (nn.RNNBase), got {type(m).__name__}")
     if type(m) not in (nn.LSTM, nn.GRU, nn.RNN):
         raise InvalidParameter(
             f"{where} ({type(m).__name__}) is a subclass of a fused RNN: replace it by hand"
@@ -224,7 +228,7 @@ def _rnn_replacement(where: str, m: nn.Module) -> nn.Module:
         )
     from opacus import layers
 
-    kw = {
+    kw: dict[str, Any] = {
         "num_layers": m.num_layers,
         "bias": m.bias,
         "batch_first": m.batch_first,

@@ -1,0 +1,137 @@
+"""What the client's calls return: small frozen records, built from the service's JSON answers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Charge", "Generation", "HiddenState", "LoraDelta", "Privacy", "Release", "Session", "Token"]
+
+
+@dataclass(frozen=True)
+class Privacy:
+    epsilon: float
+    delta: float
+
+    @classmethod
+    def of(cls, d: dict[str, Any]) -> Privacy:
+        return cls(float(d["epsilon"]), float(d["delta"]))
+
+
+@dataclass(frozen=True)
+class Session:
+    session_id: str
+    accountant: str
+    budget: Privacy
+    spent: Privacy
+    remaining: Privacy
+    charges: int
+
+    @classmethod
+    def of(cls, d: dict[str, Any]) -> Session:
+        return cls(
+            d["session_id"],
+            d["accountant"],
+            Privacy.of(d["budget"]),
+            Privacy.of(d["spent"]),
+            Privacy.of(d["remaining"]),
+            int(d["charges"]),
+        )
+
+
+@dataclass(frozen=True)
+class Charge:
+    """One charge of a session's history (what was released, when, under which idempotency key)."""
+
+    charge_id: int
+    event: dict[str, Any]
+    idempotency_key: str | None
+    created_at: float
+    within_budget: bool
+    key_id: str | None
+
+    @classmethod
+    def of(cls, d: dict[str, Any]) -> Charge:
+        return cls(
+            int(d["charge_id"]),
+            d["event"],
+            d.get("idempotency_key"),
+            float(d["created_at"]),
+            bool(d["within_budget"]),
+            d.get("key_id"),
+        )
+
+
+@dataclass(frozen=True)
+class Release:
+    """A clipped and noised vector, with what it cost."""
+
+    vector: np.ndarray
+    sigma: float
+    sensitivity: float
+    charge_id: int
+    spent: Privacy
+    remaining: Privacy
+
+
+@dataclass(frozen=True)
+class HiddenState:
+    """A hidden state clipped and noised by a trusted server (``/hidden-state``)."""
+
+    noised: np.ndarray
+    sigma: float
+    clip_norm: float
+    neighbouring: str
+    sensitivity: float
+    epsilon_spent: float
+    charge_id: int
+
+
+@dataclass(frozen=True)
+class LoraDelta:
+    """The server's LoRA delta of rows the client privatized (``/lora-delta``), float32 ``(rows, d_out)``."""
+
+    delta: np.ndarray
+    rows: int
+    adapter: str
+    neighbouring: str
+    sensitivity: float
+    noise_multiplier: float
+    charge_id: int
+    spent: Privacy
+    remaining: Privacy
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token; ``charge_id`` is the charge that paid for it (made before it was sent)."""
+
+    index: int
+    token_id: int
+    text: str | None
+    charge_id: int
+
+    @classmethod
+    def of(cls, d: dict[str, Any]) -> Token:
+        return cls(int(d["index"]), int(d["token_id"]), d.get("text"), int(d["charge_id"]))
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A whole generation (``POST /generate``): the tokens, why it ended, and what it cost."""
+
+    stream_id: str
+    tokens: list[Token]
+    text: str | None
+    finish_reason: str
+    error: str | None
+    detail: str | None
+    spent: Privacy
+    remaining: Privacy
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.token_id for t in self.tokens]

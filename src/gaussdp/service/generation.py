@@ -1,0 +1,180 @@
+"""One request's private generation, stepped token by token: the part that touches the model and
+the ledger (the routes and the WebSocket protocol are in :mod:`gaussdp.service.streaming`).
+
+Each step is one forward pass of the served model with a :class:`gaussdp.inference.HiddenStatePrivatizer`
+hooked on one transformer block (clip, charge, noise in the hook), under the model's lock, with the
+charge made through :class:`ChargePerToken` so that it carries the token's idempotency key
+``"<stream_id>/<index>"``. A step whose forward pass did not charge anything is refused before its
+token can leave.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from gaussdp._worklimit import cpu_limit, no_cpu_limit
+from gaussdp.budget import Ledger
+from gaussdp.errors import InvalidParameter
+from gaussdp.service.models import MAX_PROMPT_TOKENS, GeneratedToken, GenerateIn
+from gaussdp.service.responses import IdempotencyKeyUsed
+
+__all__ = ["ChargePerToken", "Generation"]
+
+
+class ChargePerToken:
+    """The ledger as the privatizer's hook sees it: each charge carries the current token's key."""
+
+    def __init__(self, ledger: Ledger, key_id: str, on_charged: Callable[[Any], None]) -> None:
+        self._ledger = ledger
+        self._key_id = key_id
+        self._on_charged = on_charged
+        self.key: str | None = None
+        self.receipt: Any = None
+
+    def charge(self, principal: str, event: Any) -> Any:
+        receipt = self._ledger.charge(principal, event, self.key, key_id=self._key_id)
+        if receipt.replayed:  # charged (and answered) by an earlier request: release nothing new
+            raise IdempotencyKeyUsed(
+                f"idempotency key {self.key!r} was already charged and answered; the first answer "
+                "is the only one (nothing was charged or generated now)"
+            )
+        self.receipt = receipt
+        with no_cpu_limit():
+            self._on_charged(receipt)
+        return receipt
+
+    def spent(self, principal: str) -> Any:
+        return self._ledger.spent(principal)
+
+
+class Generation:
+    """One request's generation: a privatizer on the model's layer, stepped one token at a time."""
+
+    def __init__(
+        self,
+        body: GenerateIn,
+        *,
+        model: Any,
+        tokenizer: Any,
+        lock: threading.Lock,
+        principal: str,
+        charges: ChargePerToken,
+        noise: str,
+        cpu_limit_s: float,
+    ) -> None:
+        from gaussdp._neighbouring import hidden_state_sensitivity
+        from gaussdp.inference import HiddenStatePrivatizer, stream_generate
+
+        self.stream_id = body.idempotency_key or secrets.token_urlsafe(12)
+        self.tokenizer = tokenizer
+        self._lock = lock
+        self._charges = charges
+        self._cpu_limit_s = cpu_limit_s
+        ids = _prompt_ids(body, model, tokenizer)
+        self.prompt_tokens = int(ids.shape[1])
+        sensitivity = hidden_state_sensitivity(body.clip_norm, body.neighbouring)
+        sigma = body.sigma if body.noise_multiplier is None else body.noise_multiplier * sensitivity
+        try:
+            self.privatizer = HiddenStatePrivatizer(
+                model,
+                body.layer,
+                clip_norm=body.clip_norm,
+                sigma=sigma,
+                epsilon=body.epsilon,
+                delta=body.delta,
+                ledger=charges,
+                session_id=principal,
+                neighbouring=body.neighbouring,
+                noise=noise,
+            )
+        except (LookupError, TypeError, IndexError) as exc:
+            raise InvalidParameter(f"layer: {exc}") from None
+        _check_block(model, self.privatizer.module, body.layer)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos = eos if body.stop_at_eos else None
+        self._tokens = stream_generate(
+            model, ids, privatizer=self.privatizer, max_new_tokens=body.max_new_tokens, session_id=principal
+        )
+
+    def step(self, index: int) -> GeneratedToken:
+        """Compute, charge (key ``stream_id/index``) and return token ``index``; runs in a worker thread."""
+        self._charges.key = f"{self.stream_id}/{index}"
+        self._charges.receipt = None
+        with cpu_limit(self._cpu_limit_s), self._lock:
+            token = next(self._tokens)
+        receipt = self._charges.receipt
+        if receipt is None:  # the hook did not run: the token would leave unprivatized
+            raise RuntimeError("no charge was recorded for this token: refusing to send it")
+        token_id = int(token.reshape(-1)[0])
+        return GeneratedToken(
+            index=index, token_id=token_id, text=self.decode([token_id]), charge_id=receipt.charge_id
+        )
+
+    @property
+    def last_receipt(self) -> Any:
+        """The receipt of the last token's charge (``None`` before the first)."""
+        return self._charges.receipt
+
+    def decode(self, ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else str(self.tokenizer.decode(ids))
+
+    def describe(self) -> dict[str, Any]:
+        p = self.privatizer
+        return {
+            "layer": str(p.layer_path),
+            "sigma": float(p.sigma),
+            "clip_norm": float(p.clip_norm),
+            "neighbouring": p.neighbouring,
+            "sensitivity": float(p.sensitivity),
+            "noise_multiplier": float(p.noise_multiplier),
+        }
+
+
+def _check_block(model: Any, module: Any, layer: Any) -> None:
+    """Refuse a layer that is not a whole transformer block.
+
+    The guarantee covers what the rest of the model computes from the hooked module's output
+    alone. A block's output is the whole residual stream; a module inside a block (an attention
+    projection, a norm) has the residual path around it, so noising it alone would release the
+    clean state through that path.
+    """
+    from gaussdp.inference import find_last_block
+
+    path, _ = find_last_block(model)
+    blocks = model.get_submodule(path.rsplit(".", 1)[0])
+    if not any(module is b for b in blocks):
+        raise InvalidParameter(
+            f"layer must be a transformer block (an index into {path.rsplit('.', 1)[0]}, or its path), "
+            f"got layer={layer!r}: a module inside a block has the residual stream around it"
+        )
+
+
+def _prompt_ids(body: GenerateIn, model: Any, tokenizer: Any) -> Any:
+    import torch
+
+    if body.prompt_ids is not None:
+        ids = list(body.prompt_ids)
+    elif tokenizer is None:
+        raise InvalidParameter(
+            f"prompt: model {body.model!r} has no tokenizer on this server; send prompt_ids"
+        )
+    else:
+        ids = list(tokenizer(body.prompt, add_special_tokens=False)["input_ids"])
+    if not ids:
+        raise InvalidParameter("prompt: it has no tokens")
+    if len(ids) > MAX_PROMPT_TOKENS:
+        raise InvalidParameter(f"prompt: {len(ids)} tokens, the limit is {MAX_PROMPT_TOKENS}")
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and max(ids) >= vocab:
+        raise InvalidParameter(f"prompt_ids: ids must be < {vocab} (the model's vocabulary)")
+    context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if context is not None and len(ids) + body.max_new_tokens > context:
+        raise InvalidParameter(
+            f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens ({body.max_new_tokens}) exceeds "
+            f"the model's context of {context}"
+        )
+    return torch.tensor([ids], dtype=torch.long)
