@@ -97,6 +97,17 @@ def test_bad_arguments_exit_2_and_write_nothing(tiny_model_dir, corpus, tmp_path
     assert code == 2 and named in " ".join(stderr.split()) and not out.exists()
 
 
+def test_bad_local_dp_declaration_exits_2_before_training(tiny_model_dir, corpus, tmp_path):
+    local = tmp_path / "local.json"
+    local.write_text('["gaussian"]')
+    out = tmp_path / "never"
+    code, _, stderr = cli(
+        "finetune", str(corpus), "--model", str(tiny_model_dir), "--epsilon", "4", "--delta", "1e-5",
+        "--out", str(out), "--local-dp", str(local),
+    )  # fmt: skip
+    assert code == 2 and "local_dp must be a dict" in stderr and "plan:" not in stderr and not out.exists()
+
+
 def test_bad_corpus_and_model_exit_2(tiny_model_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"txt": "no"}\n')

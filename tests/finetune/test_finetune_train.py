@@ -56,11 +56,16 @@ def test_run_follows_the_plan_and_reports_progress(trained):
     assert "keystream" in result.noise_stream or "OS CSPRNG" in result.noise_stream
     assert result.target_modules == ("c_attn",) and result.tokens > 0
     assert 0 < result.train_seconds < result.seconds
+    # the engine charged exactly the plan: its step event, once per step
+    assert result.charged == ((plan.event.event, plan.steps),)
+    assert plan.event.event.noise_multiplier == plan.noise_multiplier
+    assert plan.event.event.sample_rate == plan.sample_rate
     # only the LoRA parameters were trainable
     names = [n for n, p in result.peft_model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # transformers, via peft
 def test_adapter_reloads_with_peft_and_generates(trained, tiny_model_dir):
     from peft import PeftModel
     from safetensors.torch import load_file

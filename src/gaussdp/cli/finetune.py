@@ -105,6 +105,7 @@ def finetune(
     from gaussdp.errors import InvalidParameter, NotPrivateWarning
     from gaussdp.finetune import (
         FinetuneConfig,
+        check_local_dp,
         check_model,
         epsilon_text,
         plan_finetune,
@@ -124,6 +125,10 @@ def finetune(
             raise InvalidParameter(
                 f"--local-dp {str(local_dp)!r} is not a readable JSON file: {exc}"
             ) from None
+        try:
+            declared = check_local_dp(declared)
+        except (TypeError, InvalidParameter) as exc:
+            raise InvalidParameter(f"--local-dp {str(local_dp)!r}: {exc}") from None
     config = FinetuneConfig(
         lora_rank=rank,
         lora_alpha=alpha,

@@ -25,7 +25,14 @@ from gaussdp._extras import require_extra
 
 require_extra("hf", feature="gaussdp.finetune")
 
-from gaussdp.finetune.adapter import ADAPTER_FILES, adapter_zip, model_card, privacy_summary, save_adapter
+from gaussdp.finetune.adapter import (
+    ADAPTER_FILES,
+    adapter_zip,
+    check_local_dp,
+    model_card,
+    privacy_summary,
+    save_adapter,
+)
 from gaussdp.finetune.corpus import CORPUS_FORMATS, read_corpus
 from gaussdp.finetune.plan import (
     ACCOUNTANTS,
@@ -58,6 +65,7 @@ __all__ = [
     "FinetuneProgress",
     "FinetuneResult",
     "adapter_zip",
+    "check_local_dp",
     "check_model",
     "check_plan",
     "default_target_modules",

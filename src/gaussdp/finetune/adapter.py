@@ -26,15 +26,29 @@ from gaussdp.errors import InvalidParameter
 from gaussdp.finetune.plan import epsilon_text
 from gaussdp.finetune.train import FinetuneResult
 
-__all__ = ["ADAPTER_FILES", "adapter_zip", "model_card", "privacy_summary", "save_adapter"]
+__all__ = [
+    "ADAPTER_FILES",
+    "adapter_zip",
+    "check_local_dp",
+    "model_card",
+    "privacy_summary",
+    "save_adapter",
+]
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md", "gaussdp_privacy.json")
 SCHEMA = "gaussdp.finetune.privacy/1"
 _MAX_LOCAL_DP_JSON = 16_384  # bytes: the declaration is a few numbers and names, not a document
 
 
-def _check_local_dp(local_dp: Any) -> dict[str, Any] | None:
-    """A JSON-serialisable dict with string keys and finite numbers (or None)."""
+def check_local_dp(local_dp: Any) -> dict[str, Any] | None:
+    """The uploader's local-DP declaration, checked: a dict of JSON values with string keys and
+    finite numbers, at most 16 KiB of JSON (or ``None``). Returns a plain copy. Check it before
+    training: :func:`save_adapter` refuses what this refuses.
+
+    Raises:
+        TypeError: not a dict or None.
+        InvalidParameter: a non-string key, a non-finite number, a non-JSON value, or too large.
+    """
     if local_dp is None:
         return None
     if not isinstance(local_dp, dict):
@@ -102,7 +116,7 @@ def privacy_summary(
             "event": plan.event.to_dict(),
             "noise_source": result.noise_stream,
         },
-        "local_dp": _check_local_dp(local_dp),
+        "local_dp": check_local_dp(local_dp),
         "lora": {
             "rank": cfg.lora_rank,
             "alpha": cfg.lora_alpha,

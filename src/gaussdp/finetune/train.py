@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gaussdp.accounting.events import flatten_event
 from gaussdp.errors import InvalidParameter
 from gaussdp.finetune.plan import (
     ENCODER_MODEL_TYPES,
@@ -104,6 +105,9 @@ class FinetuneResult:
         seconds: wall-clock time of the whole call (loading, tokenising, training).
         train_seconds: wall-clock time of the training steps alone (``tokens / train_seconds`` is
             the training throughput).
+        charged: what the engine's own accountant composed during training, as ``(event, count)``
+            pairs: the plan's step event, once per step (checked equal to ``plan.event`` as
+            accountants flatten it: ``gaussdp.accounting.events.flatten_event``).
     """
 
     peft_model: Any
@@ -123,6 +127,7 @@ class FinetuneResult:
     tokens: int
     seconds: float
     train_seconds: float
+    charged: tuple[tuple[Any, int], ...] = ()
 
 
 def _model_config(model_path: str | Path) -> tuple[Path, Any]:
@@ -488,6 +493,10 @@ def _train(
                 f"{plan.epsilon!r}"
             )
         noise_stream = engine.noise_stream or "unknown"
+        charged = tuple(engine.accountant.history)
+        # as accountants see events: a step at sample rate 1 is a plain Gaussian release
+        if charged != tuple(flatten_event(plan.event)):
+            raise RuntimeError(f"the engine charged {charged}, not the plan's steps")
     finally:
         engine.detach()  # the hooks go: the model is an ordinary peft model again
     peft_model.eval()
@@ -509,6 +518,7 @@ def _train(
         tokens=tokens,
         seconds=time.perf_counter() - t0,
         train_seconds=train_seconds,
+        charged=charged,
     )
 
 
