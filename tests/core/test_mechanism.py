@@ -204,3 +204,23 @@ def test_subnormal_scales_are_refused_before_any_release(kwargs):  # type: ignor
 
     with pytest.raises(InvalidParameter, match=r"sigma|sensitivity"):
         GaussianMechanism(**kwargs)
+
+
+@pytest.mark.parametrize("noise", ["secure", "fast"])
+@pytest.mark.parametrize(("epsilon", "delta"), [(8.0, 1e-5), (1.0, 1e-5), (3.0, 1e-6), (0.5, 1e-9)])
+def test_a_budget_of_exactly_the_requested_epsilon_pays_for_the_release(noise, epsilon, delta) -> None:
+    """The release's own event fits a budget equal to its target: the rounded division
+    sigma / accounted_sensitivity once put the PLD accountant 2e-15 above epsilon=8 (refused)."""
+    from gaussdp.budget import Budget, Ledger
+
+    mech = GaussianMechanism(epsilon=epsilon, delta=delta, noise=noise)
+    ledger = Ledger("memory://")
+    ledger.open("p", Budget(epsilon, delta))
+    ledger.charge("p", mech.event)
+    assert ledger.spent("p").epsilon <= epsilon
+    exact = GaussianMechanism(epsilon=epsilon, delta=delta, noise=noise, method="analytic")
+    assert mech.sigma == exact.sigma  # deterministic, and never below the exact analytic sigma
+    assert mech.sigma >= sigma_for(epsilon=epsilon, delta=delta, sensitivity=mech.accounted_sensitivity)
+    assert mech.sigma <= sigma_for(epsilon=epsilon, delta=delta, sensitivity=mech.accounted_sensitivity) * (
+        1 + 1e-13
+    )
