@@ -6,9 +6,11 @@
 >>> c.generate(s.session_id, model="tiny", prompt="the minister", noise_multiplier=8.0).text
 
 One method per route (sessions, history, ``release``, ``hidden_state``, ``lora_delta``,
-``generate``, ``stream_generate``) plus ``split_lora_delta`` (split inference with the model on the
-client), all HTTP calls through :meth:`GaussDPClient.request` (retries with one idempotency key per
-call). Errors are :class:`ServiceError` subclasses; :class:`BudgetExhausted` is also a
+``generate``, ``stream_generate``, CKKS, and fine-tuning: ``upload_corpus``,
+``start_finetune_job``, ``watch_finetune_job``, ``download_adapter``) plus ``split_lora_delta``
+(split inference with the model on the client), all HTTP calls through
+:meth:`GaussDPClient.request` (retries with one idempotency key per call). Errors are
+:class:`ServiceError` subclasses; :class:`BudgetExhausted` is also a
 :class:`gaussdp.errors.BudgetExhausted`.
 """
 
@@ -32,12 +34,25 @@ from gaussdp.client._errors import (
     Unauthorized,
 )
 from gaussdp.client._stream import TokenStream
-from gaussdp.client._types import Charge, Generation, HiddenState, LoraDelta, Privacy, Release, Session, Token
+from gaussdp.client._types import (
+    Charge,
+    Corpus,
+    FinetuneJob,
+    Generation,
+    HiddenState,
+    LoraDelta,
+    Privacy,
+    Release,
+    Session,
+    Token,
+)
 
 __all__ = [
     "BudgetExhausted",
     "Charge",
     "ConnectionFailed",
+    "Corpus",
+    "FinetuneJob",
     "Forbidden",
     "GaussDPClient",
     "Generation",

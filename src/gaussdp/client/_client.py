@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 
 from gaussdp.client._errors import ConnectionFailed, ServiceError, ServiceUnavailable, error_for
+from gaussdp.client._finetune import FinetuneCalls
 from gaussdp.client._stream import TokenStream
 from gaussdp.client._types import (
     Charge,
@@ -66,7 +67,7 @@ def _noise(epsilon: float | None, delta: float | None, sigma: float | None) -> d
     }
 
 
-class GaussDPClient:
+class GaussDPClient(FinetuneCalls):
     """A typed client of the gaussdp service (``gaussdp serve``), over httpx and WebSocket.
 
     >>> with GaussDPClient("http://127.0.0.1:8000", api_key) as c:      # doctest: +SKIP

@@ -7,7 +7,18 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Charge", "Generation", "HiddenState", "LoraDelta", "Privacy", "Release", "Session", "Token"]
+__all__ = [
+    "Charge",
+    "Corpus",
+    "FinetuneJob",
+    "Generation",
+    "HiddenState",
+    "LoraDelta",
+    "Privacy",
+    "Release",
+    "Session",
+    "Token",
+]
 
 
 @dataclass(frozen=True)
@@ -135,3 +146,73 @@ class Generation:
     @property
     def token_ids(self) -> list[int]:
         return [t.token_id for t in self.tokens]
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """An uploaded (perturbed) corpus: what the server stored and the local DP the uploader declared."""
+
+    id: str
+    name: str
+    format: str
+    bytes: int
+    records: int
+    sha256: str
+    local_dp: dict[str, Any] | None
+    created_at: float
+
+    @classmethod
+    def of(cls, d: dict[str, Any]) -> Corpus:
+        return cls(
+            d["id"],
+            d["name"],
+            d["format"],
+            int(d["bytes"]),
+            int(d["records"]),
+            d["sha256"],
+            d.get("local_dp"),
+            float(d["created_at"]),
+        )
+
+
+@dataclass(frozen=True)
+class FinetuneJob:
+    """A DP-LoRA fine-tuning job: its state, progress and the privacy its plan charged up front."""
+
+    id: str
+    state: str
+    corpus_id: str
+    model: str
+    session_id: str
+    step: int
+    steps: int
+    epsilon: float
+    delta: float
+    epsilon_so_far: float
+    error: str | None
+    noise_multiplier: float | None
+    sample_rate: float | None
+    charge_id: int | None
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("succeeded", "failed", "cancelled")
+
+    @classmethod
+    def of(cls, d: dict[str, Any]) -> FinetuneJob:
+        return cls(
+            d["id"],
+            d["state"],
+            d["corpus_id"],
+            d["model"],
+            d["session_id"],
+            int(d["step"]),
+            int(d["steps"]),
+            float(d["epsilon"]),
+            float(d["delta"]),
+            float(d["epsilon_so_far"]),
+            d.get("error"),
+            d.get("noise_multiplier"),
+            d.get("sample_rate"),
+            d.get("charge_id"),
+        )
