@@ -45,6 +45,7 @@ from gaussdp.budget import Budget, Ledger
 EVENT = GaussianEvent(noise_multiplier=1000.0)  # tiny spend: the budget never binds during a run
 MIXED = [GaussianEvent(noise_multiplier=m) for m in (1000.0, 1100.0, 1200.0)]
 BUDGET = Budget(epsilon=1e4, delta=1e-5)
+PG_RAW_WORK = ["charge"]  # --pg-raw: what the raw PostgreSQL transaction does (see _RawPostgres)
 
 
 def _run_clients(clients: int, seconds: float, one: Callable[[int], None]) -> tuple[float, np.ndarray]:
@@ -173,10 +174,16 @@ class _RawSQLite:
 
 
 class _RawPostgres:
-    """The ledger's durable writes on PostgreSQL, with nothing else: one statement (its own transaction)
-    that upserts the grouped count and inserts the charge row, as the store's write does."""
+    """A raw charge on PostgreSQL in one statement (its own transaction), no privacy logic.
 
-    def __init__(self, url: str) -> None:
+    ``work="charge"`` (default): what any correct charge must do, in the fewest round trips: lock the
+    principal's row (``FOR UPDATE``: concurrent charges of one principal must serialise), read its
+    grouped history (the count the decision needs), upsert the grouped count and insert the charge
+    row. ``work="writes"``: the two writes only (the baseline of earlier runs: no lock and no read,
+    lighter than any correct charge, so not an equal-work comparison).
+    """
+
+    def __init__(self, url: str, work: str = "charge") -> None:
         import psycopg
 
         from gaussdp.budget.postgres import PostgresStore
@@ -187,15 +194,34 @@ class _RawPostgres:
         parts = url.split("?")[0]
         self._conn = psycopg.connect(parts, autocommit=True)
         s = self._schema
+        self._work = work
+        if work == "writes":
+            self._sql = (
+                f"WITH up AS (INSERT INTO {s}.gdp_spent (principal, event_key, count) VALUES (%s, %s, 1) "
+                f"ON CONFLICT (principal, event_key) DO UPDATE SET count = {s}.gdp_spent.count + 1) "
+                f"INSERT INTO {s}.gdp_charges (principal, event_key, idempotency_key, created_at, "
+                "within_budget) VALUES (%s, %s, NULL, %s, TRUE)"
+            )
+            return
         self._sql = (
-            f"WITH up AS (INSERT INTO {s}.gdp_spent (principal, event_key, count) VALUES (%s, %s, 1) "
+            f"WITH lk AS (SELECT 1 AS one FROM {s}.gdp_principals WHERE principal = %s FOR UPDATE), "
+            f"hist AS (SELECT count(*) AS n, coalesce(sum(count), 0) AS total FROM {s}.gdp_spent "
+            "WHERE principal = %s), "
+            f"up AS (INSERT INTO {s}.gdp_spent (principal, event_key, count) VALUES (%s, %s, 1) "
             f"ON CONFLICT (principal, event_key) DO UPDATE SET count = {s}.gdp_spent.count + 1) "
-            f"INSERT INTO {s}.gdp_charges (principal, event_key, idempotency_key, created_at, within_budget) "
-            "VALUES (%s, %s, NULL, %s, TRUE)"
+            f"INSERT INTO {s}.gdp_charges (principal, event_key, idempotency_key, created_at, "
+            "within_budget) SELECT %s, %s, NULL, %s, hist.n >= 0 FROM lk, hist RETURNING id"
         )
 
     def charge(self, principal: str, key: str) -> None:
-        self._conn.execute(self._sql, (principal, key, principal, key, time.time()))
+        if self._work == "writes":
+            self._conn.execute(self._sql, (principal, key, principal, key, time.time()))
+            return
+        row = self._conn.execute(
+            self._sql, (principal, principal, principal, key, principal, key, time.time())
+        ).fetchone()
+        if row is None:
+            raise RuntimeError(f"raw charge of {principal!r}: principal missing")
 
     def close(self) -> None:
         self._conn.close()
@@ -226,7 +252,7 @@ def _worker(kind: str, url: str, names: list[str], events: list[Any], seconds: f
     if url.startswith("sqlite"):
         raws = [_RawSQLite(url, lock) for _ in names]
     else:
-        raws = [_RawPostgres(url) for _ in names]
+        raws = [_RawPostgres(url, PG_RAW_WORK[0]) for _ in names]
     for i, p in enumerate(names):
         for k in keys:
             raws[i].charge(p, k)
@@ -403,7 +429,15 @@ def main() -> None:
     ap.add_argument("--pg", default="postgresql://postgres@127.0.0.1:5432/test")
     ap.add_argument("--procs", type=int, default=4, help="processes in the ledger-vs-raw table")
     ap.add_argument("--table-only", action="store_true", help="print the ledger-vs-raw table only")
+    ap.add_argument(
+        "--pg-raw",
+        choices=("charge", "writes"),
+        default="charge",
+        help="the raw PostgreSQL transaction: lock + history read + writes (default, what a correct "
+        "charge needs), or the writes only (lighter than any correct charge)",
+    )
     args = ap.parse_args()
+    PG_RAW_WORK[0] = args.pg_raw
     tmp = Path(tempfile.mkdtemp(prefix="gaussdp-bench-"))
     print(
         f"load average before the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; "

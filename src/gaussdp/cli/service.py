@@ -50,7 +50,9 @@ def serve(
         help="CPU seconds of numeric work per request; past it 422, nothing charged.",
     ),
     rate_limit_per_s: float | None = typer.Option(
-        None, envvar="GAUSSDP_RATE_LIMIT_PER_S", help="Requests/s per API key and worker; past it 429."
+        None,
+        envvar="GAUSSDP_RATE_LIMIT_PER_S",
+        help="Requests/s per API key, shared by all workers (memory-mapped buckets); past it 429.",
     ),
     rate_limit_burst: int | None = typer.Option(None, envvar="GAUSSDP_RATE_LIMIT_BURST", help="Bucket size."),
     text: str = typer.Option("keyed", envvar="GAUSSDP_TEXT", help="/text routes: keyed, public or off."),
@@ -98,6 +100,12 @@ def serve(
         "text": text,
         "metrics": metrics,
     }
+    shared_dir = None
+    if rate_limit_per_s is not None:  # one bucket file per run, shared by this run's workers
+        import tempfile
+
+        shared_dir = tempfile.mkdtemp(prefix="gaussdp-serve-")
+        chosen["rate_limit_file"] = os.path.join(shared_dir, "rate-limits")
     for name, value in chosen.items():  # the workers build their app from the environment
         if value is None:
             os.environ.pop(ENV[name], None)
@@ -133,14 +141,20 @@ def serve(
         f"gaussdp service on {scheme}://{host}:{port} with {workers} worker(s)  "
         f"(docs: {scheme}://{host}:{port}/docs, ledger: {db})"
     )
-    serve_factory(
-        "gaussdp.service.config:app_from_env",
-        host=host,
-        port=port,
-        workers=workers,
-        ssl_certfile=None if ssl_certfile is None else str(ssl_certfile),
-        ssl_keyfile=None if ssl_keyfile is None else str(ssl_keyfile),
-    )
+    try:
+        serve_factory(
+            "gaussdp.service.config:app_from_env",
+            host=host,
+            port=port,
+            workers=workers,
+            ssl_certfile=None if ssl_certfile is None else str(ssl_certfile),
+            ssl_keyfile=None if ssl_keyfile is None else str(ssl_keyfile),
+        )
+    finally:
+        if shared_dir is not None:
+            import shutil
+
+            shutil.rmtree(shared_dir, ignore_errors=True)
 
 
 def _load_models_and_adapters(model: list[str], adapter: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
