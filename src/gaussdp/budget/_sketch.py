@@ -64,6 +64,8 @@ RUNGS_PER_OCTAVE = 4
 # Relative padding of sums computed in an order other than the accountant's (see the docstring).
 _PAD = 1e-10
 _PLD_PAD = 1e-6
+# Entries of a live PLD accountant's run-length history after which it is rebuilt (bounded memory).
+_LIVE_HISTORY_MAX = 4096
 # The delta' fractions AdvancedComposition searches first (its coarse grid, in logit space).
 # CPU seconds a box may spend growing (the bound is cheap: a few dozen dot products in practice).
 _GROWTH_CPU_S = 0.05
@@ -240,12 +242,25 @@ class LinearSketch:
 
         return ladder
 
+    def bounded(self, delta: float, keys: list[str], j: int | None = None) -> Callable[[np.ndarray], float]:
+        """:meth:`evaluator`, with ``inf`` past the largest epsilon an accountant answers (it refuses
+        those: the ledger treats them as over any budget)."""
+        from gaussdp.accounting.base import EPSILON_MAX
+
+        inner = self.evaluator(delta, keys, j)
+
+        def out(counts: np.ndarray) -> float:
+            eps = inner(counts)
+            return eps if eps <= EPSILON_MAX else math.inf
+
+        return out
+
     def epsilon(self, delta: float, history: Mapping[str, int]) -> float | None:
         """An upper bound on the accountant's epsilon at ``delta`` of ``history``; None: no rows."""
         keys = sorted(history)
         if not self.supports(keys):
             return None
-        return self.evaluator(delta, keys)(np.array([history[k] for k in keys], dtype=np.int64))
+        return self.bounded(delta, keys)(np.array([history[k] for k in keys], dtype=np.int64))
 
     def box(self, delta: float, budget: float, after: Mapping[str, int], key: str) -> dict[str, int] | None:
         """A certified box around ``after`` (bound <= budget), grown like ``Composer.box``; ``None``
@@ -259,12 +274,12 @@ class LinearSketch:
         cap = MAX_COUNT * len(keys)
         per = np.ones(len(keys), dtype=np.int64)
         if self.name == "rdp":
-            bound = self.evaluator(delta, keys)
+            bound = self.bounded(delta, keys)
         else:  # grow within the rung of ``after``, whose rows are computed once
             per = np.array([self._mech_count(k) for k in keys], dtype=np.int64)
             j = rung(max(1, int(np.dot(base, per))))
             cap = rung_top(j)
-            bound = self.evaluator(delta, keys, j)
+            bound = self.bounded(delta, keys, j)
         if bound(base) > budget:
             return None
         total = int(base.sum())
@@ -298,7 +313,14 @@ class LivePLD:
 
         with self._lock:
             hit = self._live.pop(principal, None)
-        if hit is not None and hit[0] == delta and all(after.get(k, 0) >= c for k, c in hit[1].items()):
+        # (the accountant's run-length history grows with every compose: a long-lived principal's live
+        # accountant is rebuilt from scratch now and then rather than kept growing)
+        if (
+            hit is not None
+            and len(hit[2].history) <= _LIVE_HISTORY_MAX
+            and hit[0] == delta
+            and all(after.get(k, 0) >= c for k, c in hit[1].items())
+        ):
             _, counts, acc = hit
         else:
             counts, acc = {}, accountant("pld")

@@ -81,6 +81,13 @@ class Ledger:
     the decision is made again outside the lock (at most 16 times, then
     :class:`~gaussdp.budget.LedgerContention`, nothing charged).
 
+    Deciding is incremental in the number of distinct events (``budget/_sketch.py``): per-event rows
+    (RDP vectors; leaf epsilons on a ladder of delta shares for basic and advanced composition) and a
+    live PLD accountant per principal certify the box, so that a charge to a principal with 300
+    distinct events costs about what it costs with one. Those bounds are never below a from-scratch
+    composition of the same history; where they cannot show that a charge fits (near the budget), the
+    history is composed from scratch, which decides every refusal.
+
     Guarantee: while ``policy="refuse"``, the adaptive composition of all events charged to a
     principal is ``(budget.epsilon, budget.delta)``-DP under add/remove of one record, as bounded by the
     principal's accountant (a privacy filter in the sense of Rogers, Roth, Ullman & Vadhan 2016; with
