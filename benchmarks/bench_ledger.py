@@ -4,9 +4,11 @@ Run: ``.venv/bin/python benchmarks/bench_ledger.py [--seconds 3] [--clients 8] [
 
 First a table: charges/s and p99 latency of ``Ledger.charge`` beside a *raw transaction with the same
 durable writes* (the upsert of the grouped count and the insert of the charge row, one transaction,
-no privacy logic), measured in the same run, interleaved row by row, for 1 thread, ``--clients``
-threads and ``--procs`` processes, with one event and with 3 mixed events (each client cycles
-through them), on SQLite (WAL, ``synchronous=full``: one fsync per charge) and PostgreSQL. Each
+no privacy logic; on PostgreSQL also the principal's row lock and the history read that any correct
+charge needs, pipelined into one round trip as the ledger's charge is one: see ``_RawPostgres``),
+measured in the same run, interleaved row by row, for 1 thread, ``--clients`` threads and
+``--procs`` processes, with one event and with 3 mixed events (each client cycles through them), on
+SQLite (WAL, ``synchronous=full``: one fsync per charge) and PostgreSQL. Each
 client charges its own principal, as sessions do, after one warm-up charge per event. The raw SQLite
 writers of one process queue on one lock, as the store's do (the fastest way to share a SQLite file
 between threads); processes meet in SQLite's busy handler in both columns. Goal: ledger >= 0.9x raw.
@@ -174,13 +176,17 @@ class _RawSQLite:
 
 
 class _RawPostgres:
-    """A raw charge on PostgreSQL in one statement (its own transaction), no privacy logic.
+    """A raw charge on PostgreSQL in one round trip, no privacy logic.
 
-    ``work="charge"`` (default): what any correct charge must do, in the fewest round trips: lock the
-    principal's row (``FOR UPDATE``: concurrent charges of one principal must serialise), read its
-    grouped history (the count the decision needs), upsert the grouped count and insert the charge
-    row. ``work="writes"``: the two writes only (the baseline of earlier runs: no lock and no read,
-    lighter than any correct charge, so not an equal-work comparison).
+    ``work="charge"`` (default): what any correct charge must do, in one round trip (one simple-protocol
+    message holding the transaction's statements, parameters bound client-side): ``BEGIN``; lock the
+    principal's row (``SELECT ... FOR UPDATE``: concurrent charges of one principal must serialise);
+    read its grouped history *after* the lock (a separate statement, so that under READ COMMITTED it
+    sees the charges committed while it waited: one statement with CTEs would read a snapshot taken
+    before the wait, which a correct charge cannot use); upsert the grouped count; insert the charge
+    row; ``COMMIT``.
+    ``work="writes"``: the two writes only, in one statement (the baseline of earlier runs: no lock and
+    no read, lighter than any correct charge, so not an equal-work comparison).
     """
 
     def __init__(self, url: str, work: str = "charge") -> None:
@@ -195,33 +201,29 @@ class _RawPostgres:
         self._conn = psycopg.connect(parts, autocommit=True)
         s = self._schema
         self._work = work
-        if work == "writes":
-            self._sql = (
-                f"WITH up AS (INSERT INTO {s}.gdp_spent (principal, event_key, count) VALUES (%s, %s, 1) "
-                f"ON CONFLICT (principal, event_key) DO UPDATE SET count = {s}.gdp_spent.count + 1) "
-                f"INSERT INTO {s}.gdp_charges (principal, event_key, idempotency_key, created_at, "
-                "within_budget) VALUES (%s, %s, NULL, %s, TRUE)"
-            )
-            return
-        self._sql = (
-            f"WITH lk AS (SELECT 1 AS one FROM {s}.gdp_principals WHERE principal = %s FOR UPDATE), "
-            f"hist AS (SELECT count(*) AS n, coalesce(sum(count), 0) AS total FROM {s}.gdp_spent "
-            "WHERE principal = %s), "
-            f"up AS (INSERT INTO {s}.gdp_spent (principal, event_key, count) VALUES (%s, %s, 1) "
-            f"ON CONFLICT (principal, event_key) DO UPDATE SET count = {s}.gdp_spent.count + 1) "
+        upsert = (
+            f"INSERT INTO {s}.gdp_spent (principal, event_key, count) VALUES (%s, %s, 1) "
+            f"ON CONFLICT (principal, event_key) DO UPDATE SET count = {s}.gdp_spent.count + 1"
+        )
+        insert = (
             f"INSERT INTO {s}.gdp_charges (principal, event_key, idempotency_key, created_at, "
-            "within_budget) SELECT %s, %s, NULL, %s, hist.n >= 0 FROM lk, hist RETURNING id"
+            "within_budget) VALUES (%s, %s, NULL, %s, TRUE)"
+        )
+        self._sql = f"WITH up AS ({upsert}) {insert}"
+        self._cursor = psycopg.ClientCursor(self._conn)
+        self._tx = (
+            f"BEGIN; SELECT epsilon FROM {s}.gdp_principals WHERE principal = %(p)s FOR UPDATE; "
+            f"SELECT event_key, count FROM {s}.gdp_spent WHERE principal = %(p)s; "
+            f"{upsert.replace('(%s, %s, 1)', '(%(p)s, %(k)s, 1)')}; "
+            f"{insert.replace('(%s, %s, NULL, %s, TRUE)', '(%(p)s, %(k)s, NULL, %(t)s, TRUE)')}; "
+            "COMMIT"
         )
 
     def charge(self, principal: str, key: str) -> None:
         if self._work == "writes":
             self._conn.execute(self._sql, (principal, key, principal, key, time.time()))
             return
-        row = self._conn.execute(
-            self._sql, (principal, principal, principal, key, principal, key, time.time())
-        ).fetchone()
-        if row is None:
-            raise RuntimeError(f"raw charge of {principal!r}: principal missing")
+        self._cursor.execute(self._tx, {"p": principal, "k": key, "t": time.time()})
 
     def close(self) -> None:
         self._conn.close()
