@@ -5,7 +5,7 @@ Run: ``.venv/bin/python benchmarks/bench_ledger.py [--seconds 3] [--clients 8] [
 First a table: charges/s and p99 latency of ``Ledger.charge`` beside a *raw transaction with the same
 durable writes* (the upsert of the grouped count and the insert of the charge row, one transaction,
 no privacy logic; on PostgreSQL also the principal's row lock and the history read that any correct
-charge needs, pipelined into one round trip as the ledger's charge is one: see ``_RawPostgres``),
+charge needs, in one round trip as the ledger's charge: see ``_RawPostgres``),
 measured in the same run, interleaved row by row, for 1 thread, ``--clients`` threads and
 ``--procs`` processes, with one event and with 3 mixed events (each client cycles through them), on
 SQLite (WAL, ``synchronous=full``: one fsync per charge) and PostgreSQL. Each
