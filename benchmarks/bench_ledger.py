@@ -4,9 +4,11 @@ Run: ``.venv/bin/python benchmarks/bench_ledger.py [--seconds 3] [--clients 8] [
 
 First a table: charges/s and p99 latency of ``Ledger.charge`` beside a *raw transaction with the same
 durable writes* (the upsert of the grouped count and the insert of the charge row, one transaction,
-no privacy logic), measured in the same run, interleaved row by row, for 1 thread, ``--clients``
-threads and ``--procs`` processes, with one event and with 3 mixed events (each client cycles
-through them), on SQLite (WAL, ``synchronous=full``: one fsync per charge) and PostgreSQL. Each
+no privacy logic; on PostgreSQL also the principal's row lock and the history read that any correct
+charge needs, in one round trip as the ledger's charge: see ``_RawPostgres``),
+measured in the same run, interleaved row by row, for 1 thread, ``--clients`` threads and
+``--procs`` processes, with one event and with 3 mixed events (each client cycles through them), on
+SQLite (WAL, ``synchronous=full``: one fsync per charge) and PostgreSQL. Each
 client charges its own principal, as sessions do, after one warm-up charge per event. The raw SQLite
 writers of one process queue on one lock, as the store's do (the fastest way to share a SQLite file
 between threads); processes meet in SQLite's busy handler in both columns. Goal: ledger >= 0.9x raw.
@@ -45,6 +47,7 @@ from gaussdp.budget import Budget, Ledger
 EVENT = GaussianEvent(noise_multiplier=1000.0)  # tiny spend: the budget never binds during a run
 MIXED = [GaussianEvent(noise_multiplier=m) for m in (1000.0, 1100.0, 1200.0)]
 BUDGET = Budget(epsilon=1e4, delta=1e-5)
+PG_RAW_WORK = ["charge"]  # --pg-raw: what the raw PostgreSQL transaction does (see _RawPostgres)
 
 
 def _run_clients(clients: int, seconds: float, one: Callable[[int], None]) -> tuple[float, np.ndarray]:
@@ -173,10 +176,20 @@ class _RawSQLite:
 
 
 class _RawPostgres:
-    """The ledger's durable writes on PostgreSQL, with nothing else: one statement (its own transaction)
-    that upserts the grouped count and inserts the charge row, as the store's write does."""
+    """A raw charge on PostgreSQL in one round trip, no privacy logic.
 
-    def __init__(self, url: str) -> None:
+    ``work="charge"`` (default): what any correct charge must do, in one round trip (one simple-protocol
+    message holding the transaction's statements, parameters bound client-side): ``BEGIN``; lock the
+    principal's row (``SELECT ... FOR UPDATE``: concurrent charges of one principal must serialise);
+    read its grouped history *after* the lock (a separate statement, so that under READ COMMITTED it
+    sees the charges committed while it waited: one statement with CTEs would read a snapshot taken
+    before the wait, which a correct charge cannot use); upsert the grouped count; insert the charge
+    row; ``COMMIT``.
+    ``work="writes"``: the two writes only, in one statement (the baseline of earlier runs: no lock and
+    no read, lighter than any correct charge, so not an equal-work comparison).
+    """
+
+    def __init__(self, url: str, work: str = "charge") -> None:
         import psycopg
 
         from gaussdp.budget.postgres import PostgresStore
@@ -187,15 +200,30 @@ class _RawPostgres:
         parts = url.split("?")[0]
         self._conn = psycopg.connect(parts, autocommit=True)
         s = self._schema
-        self._sql = (
-            f"WITH up AS (INSERT INTO {s}.gdp_spent (principal, event_key, count) VALUES (%s, %s, 1) "
-            f"ON CONFLICT (principal, event_key) DO UPDATE SET count = {s}.gdp_spent.count + 1) "
-            f"INSERT INTO {s}.gdp_charges (principal, event_key, idempotency_key, created_at, within_budget) "
-            "VALUES (%s, %s, NULL, %s, TRUE)"
+        self._work = work
+        upsert = (
+            f"INSERT INTO {s}.gdp_spent (principal, event_key, count) VALUES (%s, %s, 1) "
+            f"ON CONFLICT (principal, event_key) DO UPDATE SET count = {s}.gdp_spent.count + 1"
+        )
+        insert = (
+            f"INSERT INTO {s}.gdp_charges (principal, event_key, idempotency_key, created_at, "
+            "within_budget) VALUES (%s, %s, NULL, %s, TRUE)"
+        )
+        self._sql = f"WITH up AS ({upsert}) {insert}"
+        self._cursor = psycopg.ClientCursor(self._conn)
+        self._tx = (
+            f"BEGIN; SELECT epsilon FROM {s}.gdp_principals WHERE principal = %(p)s FOR UPDATE; "
+            f"SELECT event_key, count FROM {s}.gdp_spent WHERE principal = %(p)s; "
+            f"{upsert.replace('(%s, %s, 1)', '(%(p)s, %(k)s, 1)')}; "
+            f"{insert.replace('(%s, %s, NULL, %s, TRUE)', '(%(p)s, %(k)s, NULL, %(t)s, TRUE)')}; "
+            "COMMIT"
         )
 
     def charge(self, principal: str, key: str) -> None:
-        self._conn.execute(self._sql, (principal, key, principal, key, time.time()))
+        if self._work == "writes":
+            self._conn.execute(self._sql, (principal, key, principal, key, time.time()))
+            return
+        self._cursor.execute(self._tx, {"p": principal, "k": key, "t": time.time()})
 
     def close(self) -> None:
         self._conn.close()
@@ -226,7 +254,7 @@ def _worker(kind: str, url: str, names: list[str], events: list[Any], seconds: f
     if url.startswith("sqlite"):
         raws = [_RawSQLite(url, lock) for _ in names]
     else:
-        raws = [_RawPostgres(url) for _ in names]
+        raws = [_RawPostgres(url, PG_RAW_WORK[0]) for _ in names]
     for i, p in enumerate(names):
         for k in keys:
             raws[i].charge(p, k)
@@ -403,7 +431,15 @@ def main() -> None:
     ap.add_argument("--pg", default="postgresql://postgres@127.0.0.1:5432/test")
     ap.add_argument("--procs", type=int, default=4, help="processes in the ledger-vs-raw table")
     ap.add_argument("--table-only", action="store_true", help="print the ledger-vs-raw table only")
+    ap.add_argument(
+        "--pg-raw",
+        choices=("charge", "writes"),
+        default="charge",
+        help="the raw PostgreSQL transaction: lock + history read + writes (default, what a correct "
+        "charge needs), or the writes only (lighter than any correct charge)",
+    )
     args = ap.parse_args()
+    PG_RAW_WORK[0] = args.pg_raw
     tmp = Path(tempfile.mkdtemp(prefix="gaussdp-bench-"))
     print(
         f"load average before the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; "

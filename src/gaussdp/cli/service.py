@@ -51,7 +51,9 @@ def serve(
         help="CPU seconds of numeric work per request; past it 422, nothing charged.",
     ),
     rate_limit_per_s: float | None = typer.Option(
-        None, envvar="GAUSSDP_RATE_LIMIT_PER_S", help="Requests/s per API key and worker; past it 429."
+        None,
+        envvar="GAUSSDP_RATE_LIMIT_PER_S",
+        help="Requests/s per API key, shared by all workers (memory-mapped buckets); past it 429.",
     ),
     rate_limit_burst: int | None = typer.Option(None, envvar="GAUSSDP_RATE_LIMIT_BURST", help="Bucket size."),
     text: str = typer.Option("keyed", envvar="GAUSSDP_TEXT", help="/text routes: keyed, public or off."),
@@ -123,6 +125,12 @@ def serve(
         "metrics": metrics,
         "data_dir": None if data_dir is None else str(data_dir.resolve()),
     }
+    shared_dir = None
+    if rate_limit_per_s is not None:  # one bucket file per run, shared by this run's workers
+        import tempfile
+
+        shared_dir = tempfile.mkdtemp(prefix="gaussdp-serve-")
+        chosen["rate_limit_file"] = os.path.join(shared_dir, "rate-limits")
     for name, value in chosen.items():  # the workers build their app from the environment
         if value is None:
             os.environ.pop(ENV[name], None)
@@ -179,6 +187,10 @@ def serve(
                 proc.wait(timeout=10)
             except Exception:
                 proc.kill()
+        if shared_dir is not None:
+            import shutil
+
+            shutil.rmtree(shared_dir, ignore_errors=True)
 
 
 def _start_job_workers(db: str, data_dir: Path, model: list[str], n: int, lease_s: float) -> list[Any]:

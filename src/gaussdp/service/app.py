@@ -71,7 +71,7 @@ from gaussdp.budget import (
 from gaussdp.errors import PrivacyError, WorkLimitExceeded
 from gaussdp.service.auth import Caller, KeyCache
 from gaussdp.service.keys import scope_allows
-from gaussdp.service.limits import BodySizeLimit, RateLimiter
+from gaussdp.service.limits import BodySizeLimit, RateLimiter, SharedRateLimiter
 from gaussdp.service.metrics import Metrics
 from gaussdp.service.models import (
     SESSION_ID_PATTERN,
@@ -122,6 +122,7 @@ def create_app(
     cpu_limit_s: float = DEFAULT_CPU_LIMIT_S,
     rate_limit_per_s: float | None = None,
     rate_limit_burst: int | None = None,
+    rate_limit_file: str | None = None,
     text: Literal["keyed", "public", "off"] = "keyed",
     metrics: Literal["keyed", "public", "off"] = "keyed",
     data_dir: str | None = None,
@@ -142,9 +143,13 @@ def create_app(
             past it the request is answered 422 ``work_limit_exceeded`` with nothing charged (the
             ledger computes before it charges). Every routine is bounded well below the default of
             1 s for the parameters the API accepts; the limit is the backstop.
-        rate_limit_per_s: requests a second each API key may make (token bucket, per worker
-            process; ``None``: no limit); past it 429 with ``Retry-After``.
+        rate_limit_per_s: requests a second each API key may make (token bucket; ``None``: no
+            limit); past it 429 with ``Retry-After``. Per process unless ``rate_limit_file`` is given.
         rate_limit_burst: the bucket's size (default: the rate rounded up).
+        rate_limit_file: a file whose memory-mapped buckets every worker process of this host shares
+            (:class:`~gaussdp.service.limits.SharedRateLimiter`), so that the rate holds for a key
+            across ``gaussdp serve --workers N`` (which creates one per run). Several hosts behind a
+            load balancer each enforce the rate on their own.
         text: the ``/text`` page and its routes (:mod:`gaussdp.text.web`, when importable):
             ``"keyed"`` (default: any valid API key of scope ``release``), ``"public"`` (no key), or
             ``"off"`` (serve them on their own app: :func:`create_text_app`).
@@ -162,7 +167,13 @@ def create_app(
     stats = None if metrics == "off" else Metrics()
     if text not in ("keyed", "public", "off"):
         raise ValueError(f"text must be 'keyed', 'public' or 'off', got text={text!r}")
-    limiter = None if rate_limit_per_s is None else RateLimiter(rate_limit_per_s, rate_limit_burst)
+    limiter: RateLimiter | SharedRateLimiter | None = None
+    if rate_limit_per_s is not None:
+        limiter = (
+            RateLimiter(rate_limit_per_s, rate_limit_burst)
+            if rate_limit_file is None
+            else SharedRateLimiter(rate_limit_file, rate_limit_per_s, rate_limit_burst)
+        )
     if not cpu_limit_s > 0:
         raise ValueError(f"cpu_limit_s must be > 0, got cpu_limit_s={cpu_limit_s!r}")
     owns_ledger = ledger is None

@@ -6,8 +6,9 @@ variable                       meaning                                         d
 ``GAUSSDP_DB``                 ledger URL (``sqlite:///...``, ``postgresql://``)  ``sqlite:///gaussdp-ledger.db``
 ``GAUSSDP_CPU_LIMIT_S``        CPU seconds of numeric work per request          1.0
 ``GAUSSDP_MAX_BODY_BYTES``     larger bodies get 413                            8388608
-``GAUSSDP_RATE_LIMIT_PER_S``   requests/s per API key and worker (429)          none
+``GAUSSDP_RATE_LIMIT_PER_S``   requests/s per API key, all workers (429)        none
 ``GAUSSDP_RATE_LIMIT_BURST``   token bucket size                                the rate, rounded up
+``GAUSSDP_RATE_LIMIT_FILE``    buckets shared by this host's workers            set by ``gaussdp serve``
 ``GAUSSDP_TEXT``               ``keyed``, ``public`` or ``off``                 ``keyed``
 ``GAUSSDP_METRICS``            ``keyed``, ``public`` or ``off``                 ``keyed``
 ``GAUSSDP_NOISE``              ``secure`` or ``fast``                           ``secure``
@@ -33,6 +34,7 @@ ENV = {
     "max_body_bytes": "GAUSSDP_MAX_BODY_BYTES",
     "rate_limit_per_s": "GAUSSDP_RATE_LIMIT_PER_S",
     "rate_limit_burst": "GAUSSDP_RATE_LIMIT_BURST",
+    "rate_limit_file": "GAUSSDP_RATE_LIMIT_FILE",
     "text": "GAUSSDP_TEXT",
     "metrics": "GAUSSDP_METRICS",
     "noise": "GAUSSDP_NOISE",
@@ -55,6 +57,7 @@ _PARSE: dict[str, Callable[[str], Any]] = {
     "max_body_bytes": int,
     "rate_limit_per_s": float,
     "rate_limit_burst": int,
+    "rate_limit_file": str,
     "text": _choice("keyed", "public", "off"),
     "metrics": _choice("keyed", "public", "off"),
     "noise": _choice("secure", "fast"),
