@@ -279,6 +279,7 @@ class Vocabulary:
                 import faiss
             except ImportError as exc:  # pragma: no cover - depends on the environment
                 raise ImportError("faiss search needs the 'text' extra: pip install 'gaussdp[text]'") from exc
+            index: Any
             if method == "faiss-flat":
                 index = faiss.IndexFlatL2(self.dim)
             else:
