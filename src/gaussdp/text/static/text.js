@@ -30,20 +30,39 @@
     return "mechanism=" + m.name + (m.name === "laplace" ? "&epsilon=" + m.epsilon : "&sigma=" + m.sigma);
   }
 
-  // Perturb `text` in a Web Worker, in chunks of lines; onProgress(fraction).
-  function perturbInWorker(text, mech, onProgress) {
-    return loadVocab().then(() => new Promise((resolve, reject) => {
-      const worker = new Worker("/text/static/text_worker.js");
-      worker.onmessage = (e) => {
-        const m = e.data;
-        if (m.type === "ready") worker.postMessage({ type: "run", text: text, mech: mech, chunk: 2000 });
-        else if (m.type === "progress") onProgress(m.lines / m.total, m.words);
-        else if (m.type === "done") { worker.terminate(); resolve(m); }
-        else if (m.type === "error") { worker.terminate(); reject(new Error(m.message)); }
-      };
-      worker.onerror = (e) => { worker.terminate(); reject(new Error(e.message)); };
-      worker.postMessage({ type: "vocab", payload: state.payload });
-    }));
+  // Perturb `text` in Web Workers (one per CPU, at most 8), each on a contiguous share of the lines,
+  // in chunks of lines; onProgress(fraction, words). Resolves to {text, stats, seconds, workers}.
+  function perturbInWorker(text, mech, onProgress, nWorkers) {
+    return loadVocab().then(() => {
+      const t0 = performance.now();
+      const lines = text.split(/\r\n|\r|\n/);
+      const want = nWorkers || Math.min(8, Math.max(1, navigator.hardwareConcurrency || 1));
+      const k = Math.max(1, Math.min(want, Math.ceil(lines.length / 500)));
+      const per = Math.ceil(lines.length / k);
+      const done = new Array(k).fill(0), words = new Array(k).fill(0);
+      const report = () => onProgress(done.reduce((a, b) => a + b, 0) / lines.length, words.reduce((a, b) => a + b, 0));
+      const jobs = [];
+      for (let w = 0; w < k; w++) {
+        const share = lines.slice(w * per, (w + 1) * per).join("\n");
+        jobs.push(new Promise((resolve, reject) => {
+          const worker = new Worker("/text/static/text_worker.js");
+          worker.onmessage = (e) => {
+            const m = e.data;
+            if (m.type === "ready") worker.postMessage({ type: "run", text: share, mech: mech, chunk: 1000 });
+            else if (m.type === "progress") { done[w] = m.lines; words[w] = m.words; report(); }
+            else if (m.type === "done") { worker.terminate(); resolve(m); }
+            else if (m.type === "error") { worker.terminate(); reject(new Error(m.message)); }
+          };
+          worker.onerror = (e) => { worker.terminate(); reject(new Error(e.message)); };
+          worker.postMessage({ type: "vocab", payload: state.payload });
+        }));
+      }
+      return Promise.all(jobs).then((parts) => {
+        const stats = { words: 0, changed: 0, unknown: 0 };
+        for (const p of parts) { stats.words += p.stats.words; stats.changed += p.stats.changed; stats.unknown += p.stats.unknown; }
+        return { text: parts.map((p) => p.text).join("\n"), stats: stats, seconds: (performance.now() - t0) / 1000, workers: k };
+      });
+    });
   }
 
   // Test hooks (also usable from the console).
@@ -59,13 +78,13 @@
     subwordVectors: (words) => loadVocab().then((v) => words.map((w) => Array.from(core.subwordVector(v, w)))),
     perturbInWorker: perturbInWorker,
     // words/s of the page's search + noise on n random vocabulary words, in the worker.
-    benchWorker: (n, mech) => loadVocab().then((v) => {
+    benchWorker: (n, mech, workers) => loadVocab().then((v) => {
       const ws = [];
       for (let i = 0; i < n; i++) ws.push(v.words[i % v.words.length]);
       const lines = [];
       for (let i = 0; i < n; i += 20) lines.push(ws.slice(i, i + 20).join(" "));
-      return perturbInWorker(lines.join("\n"), mech || { name: "gaussian", sigma: 0.5 }, () => {})
-        .then((r) => ({ words: r.stats.words, seconds: r.seconds, words_per_s: r.stats.words / r.seconds }));
+      return perturbInWorker(lines.join("\n"), mech || { name: "gaussian", sigma: 0.5 }, () => {}, workers)
+        .then((r) => ({ words: r.stats.words, seconds: r.seconds, words_per_s: r.stats.words / r.seconds, workers: r.workers }));
     }),
   };
 
