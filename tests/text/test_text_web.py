@@ -67,6 +67,13 @@ def test_text_web_submit_accepts_only_vocabulary_words(client_and_store):
     assert raw.status_code == 422 and "zorblatt" not in raw.text.lower()
     assert len(received) == 1
     assert client.post("/text/submit", json={"text": "dog", "sigma": 0}).status_code == 422
+    assert client.post("/text/submit", json={"text": "dog"}).status_code == 422
+    lap = {"text": "dog", "mechanism": "laplace", "epsilon": 5}
+    assert client.post("/text/submit", json=lap).status_code == 200
+    assert (
+        client.post("/text/submit", json={"text": "dog", "mechanism": "laplace", "sigma": 1}).status_code
+        == 422
+    )
 
 
 def test_text_web_module_router_is_importable():

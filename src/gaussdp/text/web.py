@@ -179,6 +179,9 @@ def make_router(
     def submit(body: Submission) -> dict[str, Any]:
         if body.mechanism not in ("gaussian", "laplace"):
             raise HTTPException(status_code=422, detail=f"unsupported mechanism {body.mechanism!r}")
+        needed = "sigma" if body.mechanism == "gaussian" else "epsilon"
+        if getattr(body, needed) is None:
+            raise HTTPException(status_code=422, detail=f"the {body.mechanism} mechanism needs {needed}")
         if len(body.text.encode("utf-8")) > MAX_INPUT_BYTES:
             raise HTTPException(status_code=413, detail="text over 20 MB")
         v = vocab()
