@@ -163,7 +163,7 @@
     return i >= 0 ? v.vecs.subarray(i * v.dim, (i + 1) * v.dim) : subwordVector(v, w);
   }
 
-  // Perturb lines of text; calls progress(doneWords) every `every` words.
+  // Perturb lines of text (one output line per input line); counts words, unknown and changed in stats.
   function perturbLines(v, lines, mech, stats) {
     const y = new Float64Array(v.dim);
     return lines.map((line) => tokenize(line).map((w) => {
