@@ -2,10 +2,16 @@
 
 100,000 words perturbed (Gaussian, sigma 0.1 as in document 002) over a random 100,000 x 50 float32
 vocabulary in [-1, 1]; words/s for each search on the same noisy vectors, in the same process.
-gaussdp: median of 3 full runs. faiss: the 100,000 queries in 5 batches, median batch rate.
-numpy per-word argmin: median of 3 runs on a 300-word subsample (extrapolated: words/s does not
-depend on the number of queries for a per-word loop). Results are checked identical to faiss on
-every query whose best and second-best float64 distances are not tied within float32 rounding.
+gaussdp and faiss run interleaved on the same chunks of queries (so that a busy machine slows both
+alike), ``--repeats`` times; the medians are compared. Two thread settings:
+
+* default: gaussdp's own threads (one per CPU, single-threaded BLAS each) vs faiss's OpenMP threads;
+* one thread each (``threads=1``; ``faiss.omp_set_num_threads(1)``): the algorithmic difference alone.
+
+Exactness: every gaussdp answer is compared with faiss; each difference must be a query where
+faiss's float32 ranking is wrong (gaussdp's word is strictly closer in exact arithmetic) or an exact
+tie resolved to the lower index (gaussdp's documented tie rule). A subsample is also checked
+against a float64 brute-force reference with the same tie rule (must be identical).
 
 Run: .venv/bin/python benchmarks/bench_text.py [--words N] [--vocab V] [--sigma S]
 """
@@ -15,8 +21,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from fractions import Fraction
 
 import numpy as np
+
+
+def _exact_sq(a: np.ndarray, b: np.ndarray) -> Fraction:
+    return sum(
+        ((Fraction(float(x)) - Fraction(float(y))) ** 2 for x, y in zip(a, b, strict=True)), Fraction(0)
+    )
 
 
 def main() -> None:
@@ -25,12 +38,16 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=100_000)
     parser.add_argument("--dim", type=int, default=50)
     parser.add_argument("--sigma", type=float, default=0.1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chunk", type=int, default=20_000, help="queries per timed call")
     parser.add_argument("--numpy-words", type=int, default=300)
+    parser.add_argument("--reference-words", type=int, default=500)
     args = parser.parse_args()
 
     import faiss
 
     from gaussdp.text import GaussianWordMechanism, Vocabulary
+    from gaussdp.text.search import ExactSearch, reference_nearest
 
     rng = np.random.default_rng(12345)  # benchmark data only, not noise for a release
     matrix = rng.uniform(-1.0, 1.0, size=(args.vocab, args.dim)).astype(np.float32)
@@ -40,76 +57,84 @@ def main() -> None:
     noisy = mech._noisy(matrix[inputs])  # the same noisy vectors for every search below
 
     print(f"{args.words} words, vocabulary {args.vocab} x {args.dim} float32, sigma={args.sigma}")
-
-    # gaussdp exact search (median of 3 full runs); the first run also warms the caches.
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        ours = vocab.nearest(noisy)
-        times.append(time.perf_counter() - t)
-    ours_rate = args.words / statistics.median(times)
-
-    # faiss IndexFlatL2 (exact), all queries in 5 batches.
+    t = time.perf_counter()
+    search = ExactSearch(vocab.vectors)
+    print(f"gaussdp index build (projection): {time.perf_counter() - t:.2f} s")
     index = faiss.IndexFlatL2(args.dim)
     index.add(matrix)
+    default_omp = faiss.omp_get_max_threads()
+
+    ours = np.empty(args.words, dtype=np.int64)
     faiss_ids = np.empty(args.words, dtype=np.int64)
-    rates = []
-    for chunk in np.array_split(np.arange(args.words), 5):
-        t = time.perf_counter()
-        _, ids = index.search(np.ascontiguousarray(noisy[chunk]), 1)
-        rates.append(chunk.size / (time.perf_counter() - t))
-        faiss_ids[chunk] = ids[:, 0]
-    faiss_rate = statistics.median(rates)
+    chunks = [np.arange(lo, min(lo + args.chunk, args.words)) for lo in range(0, args.words, args.chunk)]
+    results = {}
+    for label, threads in (("default threads", None), ("one thread each", 1)):
+        faiss.omp_set_num_threads(default_omp if threads is None else 1)
+        ours_rates, faiss_rates = [], []
+        for rep in range(args.repeats):
+            c = chunks[rep % len(chunks)]
+            q = np.ascontiguousarray(noisy[c])
+            t = time.perf_counter()
+            got = search.nearest(q, threads=threads)
+            ours_rates.append(c.size / (time.perf_counter() - t))
+            t = time.perf_counter()
+            _, ids = index.search(q, 1)
+            faiss_rates.append(c.size / (time.perf_counter() - t))
+            ours[c], faiss_ids[c] = got, ids[:, 0]
+        results[label] = (statistics.median(ours_rates), statistics.median(faiss_rates))
+    faiss.omp_set_num_threads(default_omp)
+    # Every query answered by both (the timed chunks may not cover all of them).
+    ours = search.nearest(noisy)
+    _, ids = index.search(noisy, 1)
+    faiss_ids = ids[:, 0]
 
-    # numpy per-word argmin on a subsample.
     sub = noisy[: args.numpy_words]
-    np_rates = []
-    for _ in range(3):
-        t = time.perf_counter()
-        np_ids = np.array([int(np.argmin(np.sum((matrix - v) ** 2, axis=1))) for v in sub])
-        np_rates.append(sub.shape[0] / (time.perf_counter() - t))
-    numpy_rate = statistics.median(np_rates)
-
-    # Whole mechanism (noise + search) through the public API, one run.
+    t = time.perf_counter()
+    np_ids = np.array([int(np.argmin(np.sum((matrix - v) ** 2, axis=1))) for v in sub])
+    numpy_rate = sub.shape[0] / (time.perf_counter() - t)
     t = time.perf_counter()
     mech.perturb_indices(inputs)
     perturb_rate = args.words / (time.perf_counter() - t)
 
-    # Agreement: identical to faiss wherever the float64 gap between the two best words exceeds
-    # float32 rounding of the scores (ties-free queries).
-    mismatch = np.nonzero(ours != faiss_ids)[0]
-    unresolved = 0
-    for i in mismatch:
-        v = noisy[i].astype(np.float64)
-        d_ours = float(np.sum((matrix[ours[i]] - v) ** 2))
-        d_faiss = float(np.sum((matrix[faiss_ids[i]] - v) ** 2))
-        if abs(d_ours - d_faiss) > 1e-4 * max(d_ours, d_faiss):
-            unresolved += 1
-    assert np.array_equal(np_ids, ours[: args.numpy_words]), "gaussdp and numpy argmin disagree"
+    print(f"{'search':<44}{'gaussdp w/s':>12}{'faiss w/s':>12}{'ratio':>8}")
+    for label, (o, f) in results.items():
+        print(f"{label + f' (median of {args.repeats})':<44}{o:>12,.0f}{f:>12,.0f}{o / f:>7.2f}x")
+    print(f"{'numpy per-word argmin':<44}{numpy_rate:>12,.0f}   (on {sub.shape[0]} words)")
+    print(f"{'gaussdp perturb (noise+search, default)':<44}{perturb_rate:>12,.0f}")
+    o, f = results["default threads"]
+    print(f"ratio gaussdp / faiss Flat: {o / f:.2f}x   (goal >= 2x)")
 
-    print(f"{'search':<32}{'words/s':>12}")
-    print(f"{'gaussdp exact (median of 3)':<32}{ours_rate:>12,.0f}")
-    print(f"{'faiss IndexFlatL2 (median of 5)':<32}{faiss_rate:>12,.0f}")
-    print(f"{'numpy per-word argmin':<32}{numpy_rate:>12,.0f}   (on {sub.shape[0]} words)")
-    print(f"{'gaussdp perturb (noise+search)':<32}{perturb_rate:>12,.0f}")
-    print(f"ratio gaussdp / faiss Flat: {ours_rate / faiss_rate:.2f}x   (goal >= 2x)")
-    print(f"ratio gaussdp / numpy argmin: {ours_rate / numpy_rate:.1f}x")
+    # Exactness. 1) float64 / rational reference on a subsample: identical, tie rule included.
+    ref = reference_nearest(matrix, noisy[: args.reference_words])
+    same_ref = int(np.sum(ref == ours[: args.reference_words]))
+    # 2) every difference with faiss is faiss's float32 error or an exact tie (lower index wins).
+    mismatch = np.nonzero(ours != faiss_ids)[0]
+    faiss_wrong = ties = bad = 0
+    for i in mismatch:
+        d_ours = _exact_sq(matrix[ours[i]], noisy[i])
+        d_faiss = _exact_sq(matrix[faiss_ids[i]], noisy[i])
+        if d_ours < d_faiss:
+            faiss_wrong += 1
+        elif d_ours == d_faiss and ours[i] < faiss_ids[i]:
+            ties += 1
+        else:
+            bad += 1
+    print(f"identical to the exact reference on {same_ref}/{args.reference_words} queries")
     print(
-        f"identical to faiss on {args.words - mismatch.size}/{args.words} queries; "
-        f"{mismatch.size} differ, {mismatch.size - unresolved} of them float32 near-ties "
-        f"(float64 distances within 1e-4 relative), {unresolved} real disagreements"
+        f"identical to faiss on {args.words - mismatch.size}/{args.words} queries; of {mismatch.size} "
+        f"differences, {faiss_wrong} where faiss's float32 ranking is wrong (gaussdp strictly closer), "
+        f"{ties} exact ties (lower index), {bad} where gaussdp is wrong"
     )
-    if unresolved:
-        raise SystemExit("gaussdp exact search disagrees with faiss on a ties-free query")
+    if bad or same_ref != args.reference_words or not np.array_equal(np_ids, ours[: args.numpy_words]):
+        raise SystemExit("gaussdp exact search is not exact")
     try:
         from threadpoolctl import threadpool_info
 
         for lib in threadpool_info():
-            if lib.get("internal_api") == "openblas":
-                print(
-                    f"  {lib['filepath'].split('/')[-1]}: architecture {lib.get('architecture')}, "
-                    f"{lib.get('num_threads')} threads"
-                )
+            print(
+                f"  {lib['filepath'].split('/')[-1]}: {lib.get('internal_api')}, "
+                f"{lib.get('num_threads')} threads"
+            )
     except ImportError:  # pragma: no cover
         pass
 

@@ -35,6 +35,9 @@ selenium = pytest.importorskip("selenium", reason="needs selenium (dev extra)")
 pytest.importorskip("fastapi", reason="needs the service extra")
 uvicorn = pytest.importorskip("uvicorn", reason="needs the service extra")
 
+from fastapi import Header, HTTPException, Request  # noqa: E402
+from fastapi.responses import Response, StreamingResponse  # noqa: E402
+
 from gaussdp.errors import NotPrivateWarning  # noqa: E402
 from gaussdp.text import GaussianWordMechanism  # noqa: E402
 from gaussdp.text.corpus import shipped_vocabulary  # noqa: E402
@@ -53,14 +56,115 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+API_KEY = "test-key-123"
+
+
+def _contract_routes(app, vocab, corpora: list[dict]) -> None:
+    """A test double of the fine-tuning routes' contract (branch ft-service builds the real ones):
+    the page is driven against the same paths, methods, bodies and answers."""
+    import io
+    import zipfile
+
+    jobs: dict[str, dict] = {}
+
+    def key(authorization: str | None) -> None:
+        if authorization != f"Bearer {API_KEY}":
+            raise HTTPException(401, "bad API key")
+
+    @app.post("/v1/corpora")
+    async def upload(
+        request: Request,
+        name: str,
+        format: str,
+        mechanism: str,
+        vocabulary: str,
+        sigma: float | None = None,
+        epsilon: float | None = None,
+        authorization: str | None = Header(None),
+    ):
+        key(authorization)
+        body = await request.body()
+        if len(body) > 20_000_000:
+            raise HTTPException(413, "over 20 MB")
+        text = body.decode("utf-8")
+        cid = f"c{len(corpora) + 1}"
+        corpora.append(
+            {
+                "id": cid,
+                "name": name,
+                "format": format,
+                "mechanism": mechanism,
+                "sigma": sigma,
+                "epsilon": epsilon,
+                "vocabulary": vocabulary,
+                "text": text,
+            }
+        )
+        return {"id": cid, "records": len(text.split("\n")), "bytes": len(body)}
+
+    @app.get("/v1/models")
+    def models(authorization: str | None = Header(None)):
+        key(authorization)
+        return [{"name": "tiny-gpt2"}, {"name": "tiny-llama"}]
+
+    @app.post("/v1/finetune-jobs")
+    async def start(request: Request, authorization: str | None = Header(None)):
+        key(authorization)
+        body = await request.json()
+        if body["target_epsilon"] > 100:
+            raise HTTPException(409, "budget does not fit")
+        jid = f"j{len(jobs) + 1}"
+        jobs[jid] = dict(body, id=jid, state="queued", step=0, steps=3, epsilon_so_far=0.0, loss=None)
+        return jobs[jid]
+
+    def states(jid: str):
+        for step in range(1, 4):
+            yield {
+                "state": "running",
+                "step": step,
+                "steps": 3,
+                "epsilon_so_far": 1.5 * step,
+                "loss": 3.0 / step,
+            }
+        yield {"state": "succeeded", "step": 3, "steps": 3, "epsilon_so_far": 4.5, "loss": 1.0}
+
+    @app.get("/v1/finetune-jobs/{jid}")
+    def job(jid: str, authorization: str | None = Header(None)):
+        key(authorization)
+        return jobs[jid]
+
+    @app.get("/v1/finetune-jobs/{jid}/events")
+    def events(jid: str, authorization: str | None = Header(None)):
+        key(authorization)
+
+        def stream():
+            for st in states(jid):
+                jobs[jid].update(st)
+                time.sleep(0.05)
+                yield f"data: {json.dumps(jobs[jid])}\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @app.get("/v1/finetune-jobs/{jid}/adapter")
+    def adapter(jid: str, authorization: str | None = Header(None)):
+        key(authorization)
+        if jobs[jid]["state"] != "succeeded":
+            raise HTTPException(409, "not finished")
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as z:
+            z.writestr("adapter_config.json", json.dumps({"job": jid}))
+        return Response(buf.getvalue(), media_type="application/zip")
+
+
 @pytest.fixture(scope="module")
 def server():
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
 
     from gaussdp.text.web import make_router
 
     vocab = shipped_vocabulary()
     raw_bodies: list[bytes] = []
+    corpora: list[dict] = []
     app = FastAPI()
 
     @app.middleware("http")
@@ -70,6 +174,7 @@ def server():
         return await call_next(request)
 
     app.include_router(make_router(vocab))
+    _contract_routes(app, vocab, corpora)
     port = _free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     srv = uvicorn.Server(config)
@@ -80,7 +185,7 @@ def server():
         if time.time() > deadline:
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.05)
-    yield {"url": f"http://127.0.0.1:{port}", "vocab": vocab, "raw": raw_bodies}
+    yield {"url": f"http://127.0.0.1:{port}", "vocab": vocab, "raw": raw_bodies, "corpora": corpora}
     srv.should_exit = True
     thread.join(timeout=10)
 
@@ -126,6 +231,7 @@ def _wait(cond, timeout=30.0):
 def test_text_browser_sends_only_perturbed_text(server, driver):
     from selenium.webdriver.common.by import By
 
+    server["raw"].clear()
     driver.get(server["url"] + "/text")
     _wait(lambda: driver.find_element(By.ID, "status").text.startswith("vocabulary:"))
     driver.execute_script("document.getElementById('input').value = arguments[0];", INPUT)
@@ -221,3 +327,132 @@ def test_text_browser_and_python_have_the_same_output_distribution(server, drive
         assert p > alpha, f"{word}: browser and Python distributions differ (p={p:.2e})"
         p_wrong = _chi2_pvalue(js, py_wrong.perturb_words([word] * n))
         assert p_wrong < alpha, f"{word}: the test cannot tell sigma=0.3 from 0.6 (p={p_wrong:.2e})"
+
+
+def _lee_paragraph() -> str:
+    import gensim
+
+    path = os.path.join(os.path.dirname(gensim.__file__), "test", "test_data", "lee_background.cor")
+    with open(path, encoding="utf-8") as fh:
+        return fh.readline().strip()
+
+
+def test_text_browser_subword_vectors_match_python(server, driver):
+    """Unknown words: the page computes bit-for-bit the float32 vectors Python computes."""
+    driver.get(server["url"] + "/text")
+    _wait(lambda: driver.execute_script("return !!window.gaussdpText"))
+    vocab = server["vocab"]
+    assert vocab.subwords is not None
+    oov = sorted({w for w in tokenize(_lee_paragraph()) if w not in vocab})
+    oov += ["zorblatt", "naïve", "日本語", "x", "don't", "überstraße"]
+    js = driver.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "window.gaussdpText.subwordVectors(arguments[0]).then(done);",
+        oov,
+    )
+    got = np.array(js, dtype=np.float64)
+    want = vocab.subwords.vectors(oov).astype(np.float64)
+    assert got.shape == want.shape == (len(oov), vocab.dim)
+    np.testing.assert_array_equal(got, want)
+    assert len({tuple(r) for r in want}) > len(oov) // 2  # distinct words, mostly distinct vectors
+
+
+def test_text_browser_laplace_has_python_distribution(server, driver):
+    """Chi-square homogeneity, browser vs Python, for the multivariate Laplace mechanism (alpha 1e-3
+    per word, 2 words); power: Python at half the epsilon is rejected."""
+    from gaussdp.text import LaplaceWordMechanism
+
+    driver.get(server["url"] + "/text")
+    _wait(lambda: driver.execute_script("return !!window.gaussdpText"))
+    vocab = server["vocab"]
+    n, eps, alpha = 3000, 20.0, 1e-3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotPrivateWarning)
+        py = LaplaceWordMechanism(vocab, epsilon=eps, seed=1)
+        wrong = LaplaceWordMechanism(vocab, epsilon=eps / 2, seed=2)
+    for word in ("dog", "zorblatt"):
+        js = driver.execute_async_script(
+            "const done = arguments[arguments.length - 1];"
+            "window.gaussdpText.sampleWord(arguments[0], 0, arguments[1], "
+            "{name: 'laplace', epsilon: arguments[2]}).then(done);",
+            word,
+            n,
+            eps,
+        )
+        vec, _ = vocab.vectors_for([word] * n)
+        py_words = vocab.lookup(py.perturb_vectors(vec))
+        assert _chi2_pvalue(js, py_words) > alpha, word
+        assert _chi2_pvalue(js, vocab.lookup(wrong.perturb_vectors(vec))) < alpha, word
+
+
+def test_text_browser_worker_words_per_second(server, driver):
+    """The page's perturbation (noise + exact search) in its Web Workers: words/s, printed, with one
+    worker and with one per CPU; the output has one word per input word, in order of lines."""
+    driver.get(server["url"] + "/text")
+    _wait(lambda: driver.execute_script("return !!window.gaussdpText"))
+    n = 40_000
+    rates = {}
+    for workers in (1, None):
+        r = driver.execute_async_script(
+            "const done = arguments[arguments.length - 1];"
+            "window.gaussdpText.benchWorker(arguments[0], null, arguments[1]).then(done);",
+            n,
+            workers,
+        )
+        assert r["words"] == n
+        rates[r["workers"]] = r["words_per_s"]
+    cpus = os.cpu_count()
+    for k, rate in rates.items():
+        print(
+            f"\nbrowser, {k} worker(s) on {cpus} CPUs: {rate:,.0f} words/s over a "
+            f"{len(server['vocab'])}-word vocabulary; a 20 MB file (~3.5 M words): ~{3.5e6 / rate:,.0f} s"
+        )
+    assert min(rates.values()) > 2000
+
+
+def test_text_browser_whole_flow_sends_only_perturbed_text(server, driver):
+    """Perturb (Laplace) -> upload -> models -> start job -> watch events -> download the adapter."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    server["raw"].clear()
+    server["corpora"].clear()
+    driver.get(server["url"] + "/text")
+    _wait(lambda: driver.find_element(By.ID, "status").text.startswith("vocabulary:"))
+    text = _lee_paragraph()[:1500] + "\n" + INPUT
+    driver.execute_script("document.getElementById('input').value = arguments[0];", text)
+    Select(driver.find_element(By.ID, "mechanism")).select_by_value("laplace")
+    eps = driver.find_element(By.ID, "epsilon")
+    eps.clear()
+    eps.send_keys("30")
+    driver.find_element(By.ID, "perturb").click()
+    _wait(lambda: driver.find_element(By.ID, "status").text == "perturbed")
+    assert driver.find_element(By.ID, "progress").get_attribute("value") == "1"
+    output = driver.find_element(By.ID, "output").get_attribute("value")
+    driver.find_element(By.ID, "apikey").send_keys(API_KEY)
+    driver.find_element(By.ID, "upload").click()
+    _wait(lambda: driver.find_element(By.ID, "corpus").text.startswith("corpus c1"))
+    driver.find_element(By.ID, "models").click()
+    _wait(lambda: len(Select(driver.find_element(By.ID, "model")).options) == 2)
+    driver.find_element(By.ID, "start").click()
+    _wait(lambda: "succeeded" in driver.find_element(By.ID, "job").text)
+    _wait(lambda: driver.find_element(By.ID, "download").get_attribute("data-bytes"))
+    assert int(driver.find_element(By.ID, "download").get_attribute("data-bytes")) > 20
+    assert "epsilon so far 4.5" in driver.find_element(By.ID, "job").text
+    assert driver.execute_script("return sessionStorage.getItem('gaussdp.apiKey')") == API_KEY
+
+    (corpus,) = server["corpora"]
+    assert corpus["text"] == output and corpus["mechanism"] == "laplace" and corpus["epsilon"] == 30
+    assert corpus["vocabulary"].startswith("sha256-") and corpus["format"] == "lines"
+    vocab = server["vocab"]
+    released = tokenize(output)
+    assert len(released) == len(tokenize(text)) and all(w in vocab for w in released)
+    # Every POST body the server received: the corpus (perturbed text) and the job request only.
+    assert len(server["raw"]) == 2
+    job = json.loads(server["raw"][1])
+    assert set(job) == {"corpus_id", "model", "target_epsilon", "delta", "epochs", "batch_size"}
+    everything = b"\n".join(server["raw"]).decode("utf-8").lower()
+    oov = {w for w in tokenize(text) if w not in vocab}
+    assert SECRET.lower() in oov
+    leaked = [w for w in oov if re.search(rf"(?<![\w']){re.escape(w)}(?![\w'])", everything)]
+    assert leaked == [], leaked

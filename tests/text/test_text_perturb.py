@@ -146,3 +146,55 @@ def test_text_demo_section_runs(tmp_path):
     assert "document 002 claims" in text and "plausible deniability" in text
     assert (tmp_path / "text_perturbed.txt").exists()
     assert np.isfinite(len(text))
+
+
+def test_unknown_words_get_subword_vectors_and_do_not_collapse():
+    """At low noise, distinct unknown words of a real paragraph (gensim's Lee corpus) release many
+    different words (with the zero vector they all released the same one)."""
+    import os
+    import warnings
+
+    gensim = pytest.importorskip("gensim")
+    from gaussdp.errors import NotPrivateWarning
+    from gaussdp.text import GaussianWordMechanism, perturb_text
+    from gaussdp.text.corpus import shipped_vocabulary
+    from gaussdp.text.tokenize import words
+
+    path = os.path.join(os.path.dirname(gensim.__file__), "test", "test_data", "lee_background.cor")
+    with open(path, encoding="utf-8") as fh:
+        paragraph = fh.readline()
+    vocab = shipped_vocabulary()
+    assert vocab.subwords is not None
+    oov = sorted({w for w in words(paragraph) if w not in vocab})
+    assert len(oov) > 50
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotPrivateWarning)
+        mech = GaussianWordMechanism(vocab, sigma=0.01, seed=3)
+    vecs, known = vocab.vectors_for(oov)
+    assert not known.any()
+    released = vocab.lookup(mech.perturb_vectors(vecs))
+    assert len(set(released)) >= 20, len(set(released))
+    # Every unknown vector stays inside the box and the ball the worst-case bound assumes.
+    assert np.abs(vecs).max() <= vocab.clip
+    assert np.linalg.norm(vecs.astype(np.float64), axis=1).max() <= vocab.max_norm * (1 + 1e-6)
+    # The zero-vector policy (no table) collapses them: the old behaviour, for contrast.
+    zero = vocab.lookup(mech.perturb_vectors(np.zeros_like(vecs)))
+    assert len(set(zero)) <= 3
+    result = perturb_text(paragraph, mech)
+    assert result.summary()["unknown_word_vectors"] == "subwords"
+
+
+def test_subword_vectors_match_gensim_hashes_and_survive_save_load(tmp_path):
+    pytest.importorskip("gensim")
+    from gensim.models.fasttext import ft_ngram_hashes
+
+    from gaussdp.text import Vocabulary
+    from gaussdp.text.corpus import shipped_vocabulary
+    from gaussdp.text.subwords import ngram_hashes
+
+    for w in ["zorblatt", "café", "naïve", "日本語", "a", "don't", "€uro"]:
+        assert ngram_hashes(w, 3, 6, 4096) == list(ft_ngram_hashes(w, 3, 6, 4096)), w
+    vocab = shipped_vocabulary()
+    again = Vocabulary.load(vocab.save(tmp_path / "v.npz"))
+    assert again.subwords is not None
+    np.testing.assert_array_equal(again.subwords.vectors(["zorblatt"]), vocab.subwords.vectors(["zorblatt"]))

@@ -106,3 +106,40 @@ def test_text_nearest_refuses_bad_vectors():
         v.nearest(np.zeros((2, 4)))
     with pytest.raises(InvalidParameter, match="method"):
         v.nearest(np.zeros((2, 3)), method="ivf")
+
+
+def test_train_with_subwords_gives_gensims_unknown_word_vectors():
+    """fastText training keeps the n-gram table; an unknown word's vector is gensim's (mean of its
+    n-gram buckets) up to the float16 table, then clipped into the box and the max-norm ball."""
+    pytest.importorskip("gensim")
+    from gensim.models import FastText
+
+    from gaussdp.text.corpus import demo_corpus
+
+    corpus = demo_corpus(1500, seed=4)
+    vocab = Vocabulary.train(corpus, epochs=1, subwords=True, buckets=512, seed=2)
+    assert vocab.subwords is not None and vocab.subwords.table.shape == (512, 50)
+    ref = FastText(
+        sentences=corpus,
+        vector_size=50,
+        min_count=3,
+        window=5,
+        negative=8,
+        sg=1,
+        epochs=1,
+        workers=1,
+        seed=2,
+        max_final_vocab=100_000,
+        bucket=512,
+        min_n=3,
+        max_n=6,
+    ).wv
+    for word in ("zorblatt", "grandmothers", "kitchens"):
+        assert word not in vocab
+        want = np.clip(ref.get_vector(word), -1, 1)
+        got = vocab.subwords.vector(word)
+        np.testing.assert_allclose(got, want, atol=2e-3)  # float16 table: ~3 significant digits
+    plain = Vocabulary.train(corpus, epochs=1, seed=2)
+    assert plain.subwords is None
+    vecs, known = plain.vectors_for(["dog", "zorblatt"])
+    assert known.tolist() == [True, False] and not vecs[1].any()

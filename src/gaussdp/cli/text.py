@@ -217,6 +217,14 @@ def vocab_train(
     negative: int = 8,
     epochs: int = 5,
     max_vocab: int = 100_000,
+    subwords: Annotated[
+        bool,
+        typer.Option(
+            help="Train fastText with character n-grams and keep the n-gram table, so that unknown "
+            "words get a vector (in Python and in the /text page)."
+        ),
+    ] = False,
+    buckets: Annotated[int, typer.Option(help="n-gram buckets with --subwords (float16 each).")] = 8192,
 ) -> None:
     """Train word2vec (gensim) on CORPUS.txt, clip vectors to [-1, 1], save as our .npz format."""
     from gaussdp.cli._output import make_console
@@ -233,6 +241,8 @@ def vocab_train(
             negative=negative,
             epochs=epochs,
             max_vocab=max_vocab,
+            subwords=subwords,
+            buckets=buckets,
         )
     except (PrivacyError, OSError) as exc:
         make_console(stderr=True).print(f"[red]error:[/red] {exc}")

@@ -3,9 +3,11 @@
 Document 002's flow, with honest guarantees: a :class:`Vocabulary` of word vectors clipped to
 ``[-1, 1]^dim``, a word mechanism (:class:`GaussianWordMechanism`, :class:`LaplaceWordMechanism`,
 :class:`MahalanobisWordMechanism`, :class:`TruncatedExponentialWordMechanism`), exact batched
-nearest-word search, and :func:`perturb_text` for whole documents with the per-word and per-document
-guarantee. Needs the ``text`` extra (gensim, faiss-cpu) only to train vocabularies, read word2vec
-files and use faiss search; the rest is numpy.
+nearest-word search (:mod:`gaussdp.text.search`: proven float32 lower bounds, float64 re-check),
+vectors for unknown words from fastText character n-grams (:mod:`gaussdp.text.subwords`, the same
+computation in the ``/text`` page), and :func:`perturb_text` for whole documents with the per-word
+and per-document guarantee. Needs the ``text`` extra (gensim, faiss-cpu) only to train vocabularies,
+read word2vec files and use faiss search; the rest is numpy.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 No download happens at run time: :func:`demo_corpus` generates sentences from a few hundred words
 grouped by topic (animals, food, places, weather, family, work, ...) with simple templates, so that
 word2vec learns vectors in which words of one topic are close. :func:`demo_vocabulary` trains
-document 002's word2vec (50 dimensions, min count 3, window 5, 8 negative samples, clipped to
-[-1, 1]) on it in a few seconds. The package also ships the result
+document 002's skip-gram (50 dimensions, min count 3, window 5, 8 negative samples, clipped to
+[-1, 1]) on it in a few seconds, as fastText with character n-grams so that unknown words get a
+vector. The package also ships the result
 (``gaussdp/data/text_vocab_demo.npz``, see :func:`shipped_vocabulary`).
 
 The generator's random seed only chooses which sentences are written: the corpus is public text,
@@ -118,10 +119,24 @@ def demo_corpus(n_sentences: int = 40_000, *, seed: int = 0) -> list[list[str]]:
     return out
 
 
-def demo_vocabulary(*, n_sentences: int = 40_000, epochs: int = 5, seed: int = 0) -> Vocabulary:
-    """Train document 002's word2vec on :func:`demo_corpus` (a few seconds, one worker)."""
-    vocab = Vocabulary.train(demo_corpus(n_sentences, seed=seed), epochs=epochs, seed=seed + 1)
-    vocab.meta["source"] = f"word2vec on gaussdp's synthetic demo corpus ({n_sentences} sentences)"
+def demo_vocabulary(
+    *, n_sentences: int = 40_000, epochs: int = 5, seed: int = 0, buckets: int = 4096
+) -> Vocabulary:
+    """Train document 002's skip-gram vectors on :func:`demo_corpus` (seconds, one worker).
+
+    fastText (gensim) with character n-grams of 3 to 6 characters hashed into ``buckets`` vectors,
+    so that words outside the vocabulary get a vector (:mod:`gaussdp.text.subwords`); ``buckets=0``
+    trains plain word2vec (unknown words then start from the zero vector).
+    """
+    vocab = Vocabulary.train(
+        demo_corpus(n_sentences, seed=seed),
+        epochs=epochs,
+        seed=seed + 1,
+        subwords=buckets > 0,
+        buckets=max(buckets, 1),
+    )
+    kind = "fastText (subwords)" if buckets > 0 else "word2vec"
+    vocab.meta["source"] = f"{kind} on gaussdp's synthetic demo corpus ({n_sentences} sentences)"
     return vocab
 
 

@@ -3,9 +3,13 @@
 Policy for words outside the vocabulary (``unknown=``), documented because a silent pass-through
 would release the word unprotected:
 
-* ``"perturb"`` (default): the word is treated as the zero vector (the centre of the clip box) and
-  perturbed by the same mechanism. Its distance to any vocabulary word is at most the vocabulary's
-  diameter bound, so the worst-case guarantee covers it.
+* ``"perturb"`` (default): the word gets a public vector and is perturbed by the same mechanism:
+  its fastText subword vector when the vocabulary has an n-gram table (the mean of its character
+  n-gram bucket vectors, clipped into the box and the ball of the largest word norm; see
+  :mod:`gaussdp.text.subwords`), else the zero vector (the centre of the clip box). The map
+  word -> vector is public and data-independent, so the per-word metric-DP statement holds between
+  any two words, known or not, at the distance between their vectors, and every vector lies within
+  the vocabulary's diameter bound, so the worst-case guarantee covers unknown words too.
 * ``"sample"``: replaced by a vocabulary word drawn uniformly at random (reveals nothing about *which*
   unknown word it was, but a known word and an unknown word at the same position are not protected
   from each other: the reported guarantees then only compare texts with the same unknown positions).
@@ -62,6 +66,8 @@ class PerturbedText:
     guarantee_neighbour: Guarantee | None = None
     private: bool = True
     mean_cosine: float = float("nan")
+    #: How unknown words got their input vector: ``"subwords"`` (fastText n-grams) or ``"zero"``.
+    unknown_vectors: str = "zero"
 
     @property
     def fraction_changed(self) -> float:
@@ -75,6 +81,7 @@ class PerturbedText:
             "params": self.params,
             "words": self.n_words,
             "unknown_words": self.n_unknown,
+            "unknown_word_vectors": self.unknown_vectors,
             "changed_words": self.n_changed,
             "fraction_changed": self.fraction_changed,
             "mean_cosine_to_original": self.mean_cosine,
@@ -115,25 +122,23 @@ def perturb_text(
     vocab = mechanism.vocabulary
     lines = lines_of_words(text)
     flat = [w for line in lines for w in line]
+    all_vecs, known_mask = vocab.vectors_for(flat)
     idx = np.array([vocab.get(w) if w in vocab else -1 for w in flat], dtype=np.int64)
-    is_unknown = idx < 0
+    is_unknown = ~known_mask
     n_unknown = int(is_unknown.sum())
     if n_unknown and unknown == "error":
         raise UnsafeInput(
             f"{n_unknown} word(s) are not in the vocabulary and unknown='error'; nothing released"
         )
 
-    # Input vectors: vocabulary vectors, the zero vector for unknown words under "perturb".
+    # Input vectors: vocabulary vectors; under "perturb", subword (or zero) vectors for unknown words.
     to_mechanism = ~is_unknown if unknown in ("sample", "drop") else np.ones(len(flat), dtype=bool)
     positions = np.nonzero(to_mechanism)[0]
     released = np.full(len(flat), -1, dtype=np.int64)
     done = 0
     for lo in range(0, positions.size, batch_size):
         pos = positions[lo : lo + batch_size]
-        vecs = np.zeros((pos.size, vocab.dim), dtype=np.float32)
-        known = idx[pos] >= 0
-        vecs[known] = vocab.vectors[idx[pos][known]]
-        released[pos] = mechanism.perturb_vectors(vecs)
+        released[pos] = mechanism.perturb_vectors(all_vecs[pos])
         done += pos.size
         if progress is not None:
             progress(done)
@@ -172,6 +177,7 @@ def perturb_text(
         },
         private=mechanism.private,
         mean_cosine=mean_cos,
+        unknown_vectors="subwords" if vocab.subwords is not None else "zero",
     )
     if n_released_by_mechanism:
         d_worst = vocab.diameter_bound

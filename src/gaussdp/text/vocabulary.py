@@ -5,10 +5,11 @@ A :class:`Vocabulary` holds ``V`` words and a ``V x dim`` float32 matrix whose e
 mechanisms in :mod:`gaussdp.text.mechanisms` rely on that bound, so it is enforced on construction).
 
 Search: :meth:`Vocabulary.nearest` returns, for each row of a batch of vectors, the index of the
-vocabulary word at the smallest Euclidean distance. It is exact and batched: scores
-``||w||^2 - 2 v.w`` (``||v||^2`` is the same for every ``w`` and does not change the argmin) come from
-one float32 GEMM per block against a precomputed ``[-2 W | ||w||^2]`` matrix, then an argmin per row;
-blocks of queries and of vocabulary rows bound the memory to a few megabytes whatever the batch size.
+vocabulary word at the smallest Euclidean distance. It is exact and batched
+(:class:`gaussdp.text.search.ExactSearch`): float32 lower bounds from a GEMM in a 16-dimensional
+principal subspace, with proven error margins, select candidates that are re-checked in float64
+(and in rational arithmetic on near-ties); ties go to the lowest index. Blocks of queries and of
+vocabulary rows bound the memory to a few megabytes whatever the batch size.
 faiss is available as an option (``method="faiss-flat"`` exact, ``"faiss-hnsw"`` approximate, its
 recall against the exact search reported by :meth:`Vocabulary.search_recall`).
 
@@ -31,15 +32,15 @@ import numpy as np
 from gaussdp._extras import require_extra
 from gaussdp._validate import check_positive
 from gaussdp.errors import InvalidParameter, UnsafeInput
+from gaussdp.text.search import ExactSearch
+from gaussdp.text.subwords import SubwordTable
 
 __all__ = ["FORMAT_VERSION", "Vocabulary", "train_word2vec"]
 
 FORMAT_VERSION = 1
 
-# Query rows x vocabulary rows per GEMM block: a 512 x 4096 float32 score block is 8 MiB, which keeps
-# the argmin pass cache-friendly and the peak memory small for any batch size.
+# Query rows per block of the nearest-neighbour-distance statistic.
 _QUERY_BLOCK = 512
-_VOCAB_BLOCK = 4096
 
 
 class Vocabulary:
@@ -53,6 +54,9 @@ class Vocabulary:
             does after training); when False (default) they are refused with :class:`UnsafeInput`,
             because the worst-case distance bound ``2 * clip * sqrt(dim)`` would not hold.
         meta: free-form provenance stored with the file (JSON-serialisable).
+        subword_table: optional fastText n-gram bucket vectors (``buckets x dim``, stored as float16)
+            that give words outside the vocabulary a vector (:mod:`gaussdp.text.subwords`).
+        subword_n: ``(min_n, max_n)`` n-gram lengths of the table (fastText's default ``(3, 6)``).
 
     Raises:
         UnsafeInput: NaN/Inf vectors, duplicate or empty words, values outside the clip bound.
@@ -67,6 +71,8 @@ class Vocabulary:
         clip: float = 1.0,
         clip_vectors: bool = False,
         meta: dict[str, Any] | None = None,
+        subword_table: Any = None,
+        subword_n: tuple[int, int] = (3, 6),
     ) -> None:
         clip = check_positive("clip", clip)
         words = [str(w) for w in words]
@@ -102,10 +108,21 @@ class Vocabulary:
         self._vectors = matrix
         self.clip = clip
         self.meta: dict[str, Any] = dict(meta or {})
-        # Precomputed search operand [-2 W | ||w||^2]^T (dim+1 x V), so that [v | 1] @ it = ||w||^2 - 2 v.w.
-        sq = np.einsum("ij,ij->i", matrix, matrix, dtype=np.float64).astype(np.float32)
-        self._sq_norms = sq
-        self._search_t = np.ascontiguousarray(np.concatenate([-2.0 * matrix, sq[:, None]], axis=1).T)
+        sq64 = np.einsum("ij,ij->i", matrix, matrix, dtype=np.float64)
+        self._sq_norms = sq64.astype(np.float32)
+        #: Largest norm of a word vector (float64); unknown words' vectors are scaled into this ball.
+        self.max_norm = float(np.sqrt(np.max(sq64)))
+        self.subwords: SubwordTable | None = None
+        if subword_table is not None:
+            table = np.asarray(subword_table)
+            if table.ndim != 2 or table.shape[1] != matrix.shape[1]:
+                raise InvalidParameter(
+                    f"subword_table must be (buckets x {matrix.shape[1]}), got shape {table.shape}"
+                )
+            self.subwords = SubwordTable(
+                table, min_n=int(subword_n[0]), max_n=int(subword_n[1]), clip=clip, max_norm=self.max_norm
+            )
+        self._exact: ExactSearch | None = None
         self._faiss: dict[str, Any] = {}
         self._nn_distance: float | None = None
 
@@ -147,6 +164,23 @@ class Vocabulary:
     def lookup(self, indices: Iterable[int]) -> list[str]:
         """Words at the given indices."""
         return [self._words[int(i)] for i in indices]
+
+    def vectors_for(self, words: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Input vectors for ``words`` and a mask of the known ones.
+
+        Known words: their vocabulary vector. Unknown words: their subword vector
+        (:meth:`SubwordTable.vector`) when the vocabulary has an n-gram table, else the zero vector
+        (the centre of the clip box). Both are public, data-independent maps into the clip box and
+        the ball of radius :attr:`max_norm`, so :attr:`diameter_bound` covers every input.
+        """
+        idx = np.array([self._index.get(w, -1) for w in words], dtype=np.int64)
+        known = idx >= 0
+        out = np.zeros((len(idx), self.dim), dtype=np.float32)
+        out[known] = self._vectors[idx[known]]
+        if self.subwords is not None and not known.all():
+            unknown = np.nonzero(~known)[0]
+            out[unknown] = self.subwords.vectors([words[int(i)] for i in unknown])
+        return out, known
 
     # ------------------------------------------------------------------ distance bounds
     @property
@@ -204,8 +238,10 @@ class Vocabulary:
                 or ``"numpy"`` (one argmin per row; a slow reference).
 
         Returns:
-            int64 array of ``n`` indices (a scalar index for a single vector). Ties go to the lowest
-            index in ``"exact"`` within float32 rounding of the scores.
+            int64 array of ``n`` indices (a scalar index for a single vector). ``"exact"`` is exact
+            (:mod:`gaussdp.text.search`: float32 lower bounds with proven error margins, then a
+            float64 / rational re-check): the smallest true distance, ties to the lowest index.
+            faiss ranks by float32 distances and may differ on near-ties.
 
         Raises:
             UnsafeInput: NaN/Inf in ``vectors``; InvalidParameter: wrong dimension or method.
@@ -233,29 +269,9 @@ class Vocabulary:
         return out[0] if single else out
 
     def _nearest_exact(self, q: np.ndarray) -> np.ndarray:
-        n = q.shape[0]
-        n_vocab = len(self)
-        out = np.empty(n, dtype=np.int64)
-        qa = np.empty((min(n, _QUERY_BLOCK), self.dim + 1), dtype=np.float32)
-        scores = np.empty((min(n, _QUERY_BLOCK), min(n_vocab, _VOCAB_BLOCK)), dtype=np.float32)
-        for lo in range(0, n, _QUERY_BLOCK):
-            m = min(_QUERY_BLOCK, n - lo)
-            qa[:m, :-1] = q[lo : lo + m]
-            qa[:m, -1] = 1.0
-            best = np.full(m, np.inf, dtype=np.float32)
-            best_idx = np.zeros(m, dtype=np.int64)
-            rows = np.arange(m)
-            for vlo in range(0, n_vocab, _VOCAB_BLOCK):
-                w = min(_VOCAB_BLOCK, n_vocab - vlo)
-                block = scores[:m, :w]
-                np.matmul(qa[:m], self._search_t[:, vlo : vlo + w], out=block)
-                arg = block.argmin(axis=1)
-                val = block[rows, arg]
-                better = val < best
-                best[better] = val[better]
-                best_idx[better] = arg[better] + vlo
-            out[lo : lo + m] = best_idx
-        return out
+        if self._exact is None:  # built on first use: a projection of the (immutable) vectors
+            self._exact = ExactSearch(self._vectors)
+        return self._exact.nearest(q)
 
     def _faiss_index(self, method: str) -> Any:
         if method not in self._faiss:
@@ -327,6 +343,9 @@ class Vocabulary:
         clip: float = 1.0,
         workers: int = 1,
         seed: int = 1,
+        subwords: bool = False,
+        buckets: int = 8192,
+        subword_n: tuple[int, int] = (3, 6),
     ) -> Vocabulary:
         """Train word2vec (gensim, skip-gram with negative sampling) and clip to ``[-clip, clip]``.
 
@@ -336,6 +355,10 @@ class Vocabulary:
         iterable of token lists. The vectors are public parameters of the mechanism: train them on
         public text, not on the text you mean to protect. ``seed`` only makes training reproducible
         (the word vectors are not noise).
+
+        ``subwords=True`` trains gensim's ``FastText`` (the same skip-gram objective plus character
+        n-grams hashed into ``buckets`` vectors, lengths ``subword_n``) instead, and keeps the n-gram
+        table so that unknown words get a vector (:mod:`gaussdp.text.subwords`).
         """
         return train_word2vec(
             sentences,
@@ -348,6 +371,9 @@ class Vocabulary:
             clip=clip,
             workers=workers,
             seed=seed,
+            subwords=subwords,
+            buckets=buckets,
+            subword_n=subword_n,
         )
 
     # ------------------------------------------------------------------ file format
@@ -357,12 +383,17 @@ class Vocabulary:
         if path.suffix != ".npz":
             path = path.with_name(path.name + ".npz")
         meta = {"format": "gaussdp-vocabulary", "version": FORMAT_VERSION, "clip": self.clip, **self.meta}
+        arrays: dict[str, Any] = {}
+        if self.subwords is not None:
+            meta["subword_n"] = [self.subwords.min_n, self.subwords.max_n]
+            arrays["subword_table"] = self.subwords.table
         with open(path, "wb") as fh:
             np.savez_compressed(
                 fh,
                 words=np.array(self._words, dtype=str),
                 vectors=self._vectors,
                 meta=np.array(json.dumps(meta)),
+                **arrays,
             )
         return path
 
@@ -378,12 +409,21 @@ class Vocabulary:
             except KeyError as exc:
                 raise UnsafeInput(f"{path} is not a gaussdp vocabulary file (missing {exc})") from None
             meta = json.loads(str(meta_raw))
+            table = data["subword_table"] if "subword_table" in data.files else None
         if meta.get("format") != "gaussdp-vocabulary" or int(meta.get("version", -1)) > FORMAT_VERSION:
             raise UnsafeInput(f"{path} is not a gaussdp vocabulary file of version <= {FORMAT_VERSION}")
         clip = float(meta.pop("clip", 1.0))
+        n_range = meta.pop("subword_n", [3, 6])
         for key in ("format", "version"):
             meta.pop(key, None)
-        return cls(words.tolist(), vectors, clip=clip, meta=meta)
+        return cls(
+            words.tolist(),
+            vectors,
+            clip=clip,
+            meta=meta,
+            subword_table=table,
+            subword_n=(int(n_range[0]), int(n_range[1])),
+        )
 
 
 def train_word2vec(
@@ -398,10 +438,13 @@ def train_word2vec(
     clip: float = 1.0,
     workers: int = 1,
     seed: int = 1,
+    subwords: bool = False,
+    buckets: int = 8192,
+    subword_n: tuple[int, int] = (3, 6),
 ) -> Vocabulary:
     """See :meth:`Vocabulary.train`."""
     require_extra("text", feature="training word2vec")
-    from gensim.models import Word2Vec
+    from gensim.models import FastText, Word2Vec
 
     from gaussdp.text.tokenize import words as tokenize_words
 
@@ -415,22 +458,38 @@ def train_word2vec(
         source = "word2vec trained on an in-memory corpus"
     if not corpus:
         raise UnsafeInput("the training corpus has no words")
-    model = Word2Vec(
-        sentences=corpus,
-        vector_size=int(dim),
-        min_count=int(min_count),
-        window=int(window),
-        negative=int(negative),
-        sg=1,
-        epochs=int(epochs),
-        workers=int(workers),
-        seed=int(seed),
-        max_final_vocab=max_vocab,
-    )
+    common: dict[str, Any] = {
+        "sentences": corpus,
+        "vector_size": int(dim),
+        "min_count": int(min_count),
+        "window": int(window),
+        "negative": int(negative),
+        "sg": 1,
+        "epochs": int(epochs),
+        "workers": int(workers),
+        "seed": int(seed),
+        "max_final_vocab": max_vocab,
+    }
+    model: Any
+    if subwords:
+        buckets = int(buckets)
+        if buckets < 1:
+            raise InvalidParameter(f"buckets must be >= 1, got buckets={buckets}")
+        model = FastText(**common, bucket=buckets, min_n=int(subword_n[0]), max_n=int(subword_n[1]))
+        source = source.replace("word2vec", "fastText (subwords)")
+    else:
+        model = Word2Vec(**common)
     kv = model.wv
     if len(kv.index_to_key) == 0:
         raise UnsafeInput(f"no word occurs at least min_count={min_count} times in the corpus")
-    vocab = Vocabulary(list(kv.index_to_key), np.asarray(kv.vectors), clip=clip, clip_vectors=True)
+    vocab = Vocabulary(
+        list(kv.index_to_key),
+        np.asarray(kv.vectors),
+        clip=clip,
+        clip_vectors=True,
+        subword_table=np.asarray(kv.vectors_ngrams) if subwords else None,
+        subword_n=(int(subword_n[0]), int(subword_n[1])),
+    )
     vocab.meta.update(
         {
             "source": source,

@@ -4,9 +4,13 @@ Routes (a FastAPI ``APIRouter``; ``gaussdp.service.app.create_app`` includes :da
 
 * ``GET /text``: the page (``static/text.html`` + ``static/text.js``, plain JavaScript).
 * ``GET /text/static/text.js``: the script.
-* ``GET /text/vocab``: the public vocabulary, fetched once by the page: words, ``dim`` and the
-  ``V x dim`` float32 matrix as little-endian base64.
-* ``GET /text/guarantee?sigma=&delta=``: the Gaussian per-word guarantee for a public sigma.
+* ``GET /text/vocab``: the public vocabulary, fetched once by the page: words, ``dim``, the
+  ``V x dim`` float32 matrix as little-endian base64, and (if it has one) the fastText n-gram bucket
+  table as float16 (:mod:`gaussdp.text.subwords`) so unknown words get the same vector as in Python.
+* ``GET /text/static/text_core.js``, ``/text/static/text_worker.js``: tokenising, subword vectors,
+  noise (``crypto.getRandomValues``) and exact search, shared by the page and its Web Worker.
+* ``GET /text/guarantee?mechanism=gaussian&sigma=&delta=`` or ``?mechanism=laplace&epsilon=``: the
+  per-word guarantee for public parameters, and what it covers for unknown words.
 * ``POST /text/submit``: ``{"text", "mechanism", "sigma"}``, the *perturbed* text. The server
   refuses (422) a text with any token that is not a vocabulary word: perturbed text only contains
   vocabulary words, so this catches a client that would send raw text by mistake.
@@ -30,11 +34,23 @@ from fastapi.responses import HTMLResponse, Response
 from pydantic import BaseModel, Field
 
 from gaussdp.errors import PrivacyError
-from gaussdp.text.mechanisms import GaussianWordMechanism
+from gaussdp.text.mechanisms import GaussianWordMechanism, LaplaceWordMechanism
 from gaussdp.text.tokenize import MAX_INPUT_BYTES, lines_of_words
 from gaussdp.text.vocabulary import Vocabulary
 
-__all__ = ["Submission", "make_router", "router"]
+__all__ = ["Submission", "make_router", "router", "vocabulary_name"]
+
+UNKNOWN_WORDS_SUBWORDS = (
+    "Words outside the vocabulary get a public vector computed from their character n-grams "
+    "(fastText buckets shipped with the vocabulary; the same computation in this page and in "
+    "Python), clipped into the clip box and the ball of the largest word norm. The map is public and "
+    "does not depend on anyone's data, so the per-word guarantee holds between any two words, known "
+    "or not, at the distance between their vectors; the worst case above covers them too."
+)
+UNKNOWN_WORDS_ZERO = (
+    "Words outside the vocabulary start from the zero vector (the centre of the clip box); the worst "
+    "case above covers them, but at low noise they all release the same few words."
+)
 
 
 class Submission(BaseModel):
@@ -42,7 +58,19 @@ class Submission(BaseModel):
 
     text: str = Field(..., max_length=MAX_INPUT_BYTES)
     mechanism: str = "gaussian"
-    sigma: float = Field(..., gt=0)
+    sigma: float | None = Field(None, gt=0)
+    epsilon: float | None = Field(None, gt=0)
+
+
+def vocabulary_name(vocab: Vocabulary) -> str:
+    """A public name for the vocabulary: ``meta["name"]`` or the first 16 hex of its content hash."""
+    name = vocab.meta.get("name")
+    if isinstance(name, str) and name:
+        return name
+    h = hashlib.sha256()
+    h.update("\n".join(vocab.words).encode("utf-8"))
+    h.update(vocab.vectors.astype("<f4").tobytes())
+    return "sha256-" + h.hexdigest()[:16]
 
 
 def _static(name: str) -> str:
@@ -93,28 +121,67 @@ def make_router(
     def get_vocab() -> dict[str, Any]:
         if "payload" not in cache:
             v = vocab()
-            cache["payload"] = {
+            payload: dict[str, Any] = {
+                "name": vocabulary_name(v),
                 "words": v.words,
                 "dim": v.dim,
                 "clip": v.clip,
+                "max_norm": v.max_norm,
                 "dtype": "float32-le",
                 "vectors": base64.b64encode(v.vectors.astype("<f4").tobytes()).decode("ascii"),
+                "subwords": None,
             }
+            if v.subwords is not None:
+                sw = v.subwords
+                payload["subwords"] = {
+                    "min_n": sw.min_n,
+                    "max_n": sw.max_n,
+                    "buckets": sw.buckets,
+                    "clip": sw.clip,
+                    "max_norm": sw.max_norm,
+                    "dtype": "float16-le",
+                    "table": base64.b64encode(sw.table.astype("<f2").tobytes()).decode("ascii"),
+                }
+            cache["payload"] = payload
         return cache["payload"]
 
-    @api.get("/text/guarantee", summary="Per-word guarantee of the Gaussian mechanism for a sigma")
+    @api.get("/text/guarantee", summary="Per-word guarantee of the Gaussian or Laplace mechanism")
     def guarantee(
-        sigma: float = Query(..., gt=0, le=1e6), delta: float = Query(1e-5, gt=0, lt=1)
+        sigma: float | None = Query(None, gt=0, le=1e6),
+        delta: float = Query(1e-5, gt=0, lt=1),
+        mechanism: str = Query("gaussian", pattern="^(gaussian|laplace)$"),
+        epsilon: float | None = Query(None, gt=0, le=1e6),
     ) -> dict[str, Any]:
+        v = vocab()
         try:
-            return GaussianWordMechanism(vocab(), sigma=sigma, delta=delta).report()
+            if mechanism == "gaussian":
+                if sigma is None:
+                    raise HTTPException(status_code=422, detail="the gaussian mechanism needs sigma")
+                report = GaussianWordMechanism(v, sigma=sigma, delta=delta).report()
+            else:
+                if epsilon is None:
+                    raise HTTPException(status_code=422, detail="the laplace mechanism needs epsilon")
+                report = LaplaceWordMechanism(v, epsilon=epsilon).report()
         except PrivacyError as exc:
             raise HTTPException(status_code=422, detail=str(exc)) from None
+        report["unknown_words"] = UNKNOWN_WORDS_SUBWORDS if v.subwords is not None else UNKNOWN_WORDS_ZERO
+        return report
+
+    @api.get("/text/static/text_core.js", summary="The perturbation code shared by page and worker")
+    def core_script() -> Response:
+        return Response(_static("text_core.js"), media_type="text/javascript")
+
+    @api.get("/text/static/text_worker.js", summary="The Web Worker that perturbs long texts")
+    def worker_script() -> Response:
+        return Response(_static("text_worker.js"), media_type="text/javascript")
 
     @api.post("/text/submit", summary="Receive perturbed text (vocabulary words only)")
     def submit(body: Submission) -> dict[str, Any]:
-        if body.mechanism != "gaussian":
+        if body.mechanism not in ("gaussian", "laplace"):
             raise HTTPException(status_code=422, detail=f"unsupported mechanism {body.mechanism!r}")
+        needed = "sigma" if body.mechanism == "gaussian" else "epsilon"
+        if getattr(body, needed) is None:
+            raise HTTPException(status_code=422, detail=f"the {body.mechanism} mechanism needs {needed}")
         if len(body.text.encode("utf-8")) > MAX_INPUT_BYTES:
             raise HTTPException(status_code=413, detail="text over 20 MB")
         v = vocab()

@@ -1,24 +1,11 @@
-// gaussdp text local DP, in the browser: the raw text never leaves this page.
-// Same tokenisation rule and unknown-word policy as gaussdp.text (Python):
-//   word = maximal run of Unicode letters/digits, inner apostrophes allowed, lower-cased;
-//   punctuation dropped; line breaks kept; unknown words perturbed from the zero vector.
-// Gaussian mechanism: vector + N(0, sigma^2 I) (Box-Muller over crypto.getRandomValues), then the
-// nearest vocabulary word by brute force (exact).
+// gaussdp text page: perturb in the browser (Web Worker), then upload -> fine-tune -> download.
+// The raw text never leaves this page: only the perturbed text is posted (to /text/submit or
+// /v1/corpora). The API key is read from the input field and kept in sessionStorage at most.
 "use strict";
 (function () {
-  const WORD = /[\p{L}\p{N}]+(?:'[\p{L}\p{N}]+)*/gu;
   const MAX_BYTES = 20000000;
-  const state = { vocab: null, loading: null };
-
-  function tokenize(line) {
-    const out = [];
-    for (const m of line.replace(/\u2019/g, "'").matchAll(WORD)) out.push(m[0].toLowerCase());
-    return out;
-  }
-
-  function linesOfWords(text) {
-    return text.split(/\r\n|\r|\n/).map(tokenize);
-  }
+  const core = window.gaussdpCore;
+  const state = { payload: null, vocab: null, loading: null, result: null, corpusId: null, jobId: null };
 
   function loadVocab() {
     if (state.vocab) return Promise.resolve(state.vocab);
@@ -26,115 +13,185 @@
       state.loading = fetch("/text/vocab").then((r) => {
         if (!r.ok) throw new Error("vocabulary request failed: " + r.status);
         return r.json();
-      }).then((j) => {
-        const bin = atob(j.vectors);
-        const bytes = new Uint8Array(bin.length);
-        for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
-        const vecs = new Float32Array(bytes.buffer);  // little-endian float32, words x dim
-        const n = j.words.length, dim = j.dim;
-        if (vecs.length !== n * dim) throw new Error("vocabulary size mismatch");
-        const sq = new Float64Array(n);
-        for (let i = 0; i < n; i++) {
-          let s = 0;
-          for (let k = 0; k < dim; k++) { const x = vecs[i * dim + k]; s += x * x; }
-          sq[i] = s;
-        }
-        const index = new Map();
-        j.words.forEach((w, i) => index.set(w, i));
-        state.vocab = { words: j.words, dim: dim, vecs: vecs, sq: sq, index: index, meta: j };
-        return state.vocab;
-      });
+      }).then((j) => { state.payload = j; state.vocab = core.buildVocab(j); return state.vocab; });
     }
     return state.loading;
   }
 
-  // Uniform in (0, 1) with 53 random bits from the OS CSPRNG.
-  const buf = new Uint32Array(2);
-  function uniform() {
-    crypto.getRandomValues(buf);
-    return ((buf[0] >>> 5) * 67108864 + (buf[1] >>> 6) + 0.5) / 9007199254740992;
-  }
-  let spare = null;
-  function gaussian() {
-    if (spare !== null) { const s = spare; spare = null; return s; }
-    const u1 = uniform(), u2 = uniform();
-    const r = Math.sqrt(-2 * Math.log(u1));
-    spare = r * Math.sin(2 * Math.PI * u2);
-    return r * Math.cos(2 * Math.PI * u2);
-  }
-
-  function nearest(v, y) {
-    const dim = v.dim, n = v.words.length, vecs = v.vecs;
-    let best = Infinity, bestI = 0;
-    for (let i = 0; i < n; i++) {
-      let dot = 0;
-      const o = i * dim;
-      for (let k = 0; k < dim; k++) dot += vecs[o + k] * y[k];
-      const s = v.sq[i] - 2 * dot;
-      if (s < best) { best = s; bestI = i; }
-    }
-    return bestI;
-  }
-
-  // Index of the released word for input word `w` (unknown -> zero vector).
-  function perturbIndex(v, w, sigma) {
-    const dim = v.dim;
-    const y = new Float64Array(dim);
-    const i = v.index.has(w) ? v.index.get(w) : -1;
-    for (let k = 0; k < dim; k++) y[k] = (i >= 0 ? v.vecs[i * dim + k] : 0) + sigma * gaussian();
-    return nearest(v, y);
-  }
-
-  function perturbText(v, text, sigma) {
-    let changed = 0, total = 0, unknown = 0;
-    const lines = linesOfWords(text).map((ws) => ws.map((w) => {
-      const j = perturbIndex(v, w, sigma);
-      const out = v.words[j];
-      total++;
-      if (!v.index.has(w)) unknown++;
-      else if (out !== w) changed++;
-      return out;
-    }).join(" "));
-    return { text: lines.join("\n"), words: total, changed: changed, unknown: unknown };
-  }
-
-  // Test hook: n releases of word w, returned as released words.
-  function sampleWord(v, w, sigma, n) {
-    const out = new Array(n);
-    for (let t = 0; t < n; t++) out[t] = v.words[perturbIndex(v, w, sigma)];
-    return out;
-  }
-
-  window.gaussdpText = {
-    tokenize: tokenize, loadVocab: loadVocab,
-    perturbText: (text, sigma) => loadVocab().then((v) => perturbText(v, text, sigma)),
-    sampleWord: (w, sigma, n) => loadVocab().then((v) => sampleWord(v, w, sigma, n)),
-  };
-
   function $(id) { return document.getElementById(id); }
 
+  function mechanism() {
+    const name = $("mechanism").value;
+    if (name === "laplace") return { name: name, epsilon: parseFloat($("epsilon").value) };
+    return { name: "gaussian", sigma: parseFloat($("sigma").value) };
+  }
+  function mechOk(m) { return m.name === "laplace" ? m.epsilon > 0 : m.sigma > 0; }
+  function mechQuery(m) {
+    return "mechanism=" + m.name + (m.name === "laplace" ? "&epsilon=" + m.epsilon : "&sigma=" + m.sigma);
+  }
+
+  // Perturb `text` in Web Workers (one per CPU, at most 8), each on a contiguous share of the lines,
+  // in chunks of lines; onProgress(fraction, words). Resolves to {text, stats, seconds, workers}.
+  function perturbInWorker(text, mech, onProgress, nWorkers) {
+    return loadVocab().then(() => {
+      const t0 = performance.now();
+      const lines = text.split(/\r\n|\r|\n/);
+      const want = nWorkers || Math.min(8, Math.max(1, navigator.hardwareConcurrency || 1));
+      const k = Math.max(1, Math.min(want, Math.ceil(lines.length / 500)));
+      const per = Math.ceil(lines.length / k);
+      const done = new Array(k).fill(0), words = new Array(k).fill(0);
+      const report = () => onProgress(done.reduce((a, b) => a + b, 0) / lines.length, words.reduce((a, b) => a + b, 0));
+      const jobs = [];
+      for (let w = 0; w < k; w++) {
+        const share = lines.slice(w * per, (w + 1) * per).join("\n");
+        jobs.push(new Promise((resolve, reject) => {
+          const worker = new Worker("/text/static/text_worker.js");
+          worker.onmessage = (e) => {
+            const m = e.data;
+            if (m.type === "ready") worker.postMessage({ type: "run", text: share, mech: mech, chunk: 1000 });
+            else if (m.type === "progress") { done[w] = m.lines; words[w] = m.words; report(); }
+            else if (m.type === "done") { worker.terminate(); resolve(m); }
+            else if (m.type === "error") { worker.terminate(); reject(new Error(m.message)); }
+          };
+          worker.onerror = (e) => { worker.terminate(); reject(new Error(e.message)); };
+          worker.postMessage({ type: "vocab", payload: state.payload });
+        }));
+      }
+      return Promise.all(jobs).then((parts) => {
+        const stats = { words: 0, changed: 0, unknown: 0 };
+        for (const p of parts) { stats.words += p.stats.words; stats.changed += p.stats.changed; stats.unknown += p.stats.unknown; }
+        return { text: parts.map((p) => p.text).join("\n"), stats: stats, seconds: (performance.now() - t0) / 1000, workers: k };
+      });
+    });
+  }
+
+  // Test hooks (also usable from the console).
+  window.gaussdpText = {
+    tokenize: core.tokenize, loadVocab: loadVocab,
+    perturbText: (text, sigma) => loadVocab().then((v) => {
+      const stats = { words: 0, changed: 0, unknown: 0 };
+      const lines = core.perturbLines(v, text.split(/\r\n|\r|\n/), { name: "gaussian", sigma: sigma }, stats);
+      return { text: lines.join("\n"), words: stats.words, changed: stats.changed, unknown: stats.unknown };
+    }),
+    sampleWord: (w, sigma, n, mech) => loadVocab().then((v) =>
+      core.sampleWord(v, w, mech || { name: "gaussian", sigma: sigma }, n)),
+    subwordVectors: (words) => loadVocab().then((v) => words.map((w) => Array.from(core.subwordVector(v, w)))),
+    perturbInWorker: perturbInWorker,
+    // words/s of the page's search + noise on n random vocabulary words, in the worker.
+    benchWorker: (n, mech, workers) => loadVocab().then((v) => {
+      const ws = [];
+      for (let i = 0; i < n; i++) ws.push(v.words[i % v.words.length]);
+      const lines = [];
+      for (let i = 0; i < n; i += 20) lines.push(ws.slice(i, i + 20).join(" "));
+      return perturbInWorker(lines.join("\n"), mech || { name: "gaussian", sigma: 0.5 }, () => {}, workers)
+        .then((r) => ({ words: r.stats.words, seconds: r.seconds, words_per_s: r.stats.words / r.seconds, workers: r.workers }));
+    }),
+  };
+
+  function apiKey() {
+    const k = $("apikey").value.trim();
+    if (k) { try { sessionStorage.setItem("gaussdp.apiKey", k); } catch (e) { /* storage off */ } }
+    return k;
+  }
+  function authed(url, opts) {
+    opts = opts || {};
+    opts.headers = Object.assign({}, opts.headers || {}, { Authorization: "Bearer " + apiKey() });
+    return fetch(url, opts);
+  }
+  function readJson(r) {
+    return r.text().then((t) => {
+      let j = null;
+      try { j = t ? JSON.parse(t) : null; } catch (e) { j = { detail: t }; }
+      if (!r.ok) throw new Error(r.status + ": " + (j && j.detail ? JSON.stringify(j.detail) : t));
+      return j;
+    });
+  }
+
   function showGuarantee() {
-    const sigma = parseFloat($("sigma").value);
-    if (!(sigma > 0)) { $("guarantee").textContent = "sigma must be > 0"; return; }
-    fetch("/text/guarantee?sigma=" + encodeURIComponent(sigma)).then((r) => r.json()).then((g) => {
-      if (g.detail) { $("guarantee").textContent = String(g.detail); return; }
+    const m = mechanism();
+    if (!mechOk(m)) { $("guarantee").textContent = "the noise parameter must be > 0"; return; }
+    fetch("/text/guarantee?" + mechQuery(m)).then((r) => r.json()).then((g) => {
+      if (g.detail) { $("guarantee").textContent = String(JSON.stringify(g.detail)); return; }
       const nn = g.nearest_neighbour, worst = g.vocabulary_diameter;
       $("guarantee").textContent =
         "Per word: epsilon " + nn.epsilon.toPrecision(4) + " (delta " + nn.delta + ") against its typical " +
         "nearest neighbour (distance " + nn.distance.toPrecision(3) + "); epsilon " +
         worst.epsilon.toPrecision(4) + " against any other word (distance " + worst.distance.toPrecision(3) +
-        "). Epsilons add up over the words of a text (zCDP rho adds).";
-    });
+        "). " + (m.name === "gaussian" ? "zCDP rho adds over the words of a text. " : "Epsilons add over the words of a text. ") +
+        (g.unknown_words || "");
+    }).catch(() => {});
+  }
+
+  function showJob(j) {
+    $("job").textContent = "job " + state.jobId + ": " + j.state + ", step " + (j.step || 0) + "/" + (j.steps || "?") +
+      ", epsilon so far " + (j.epsilon_so_far == null ? "-" : Number(j.epsilon_so_far).toPrecision(4)) +
+      ", loss " + (j.loss == null ? "-" : Number(j.loss).toPrecision(4));
+    if (j.steps) { $("job-progress").max = j.steps; $("job-progress").value = j.step || 0; }
+    if (j.state === "succeeded") { $("job-progress").value = $("job-progress").max; fetchAdapter(); }
+    return ["succeeded", "failed", "cancelled"].indexOf(j.state) >= 0;
+  }
+
+  // Server-sent events over fetch (EventSource cannot send the Authorization header); polling fallback.
+  function watchJob() {
+    const url = "/v1/finetune-jobs/" + encodeURIComponent(state.jobId);
+    let finished = false;
+    const poll = () => {
+      if (finished) return;
+      authed(url).then(readJson).then((j) => { finished = showJob(j); if (!finished) setTimeout(poll, 1000); })
+        .catch((e) => { $("job").textContent = String(e); });
+    };
+    authed(url + "/events", { headers: { Accept: "text/event-stream" } }).then((r) => {
+      if (!r.ok || !r.body) throw new Error("no event stream");
+      const reader = r.body.getReader(), dec = new TextDecoder();
+      let buf = "";
+      const pump = () => reader.read().then(({ value, done }) => {
+        if (done) { if (!finished) poll(); return; }
+        buf += dec.decode(value, { stream: true });
+        let cut;
+        while ((cut = buf.indexOf("\n\n")) >= 0) {
+          const evt = buf.slice(0, cut);
+          buf = buf.slice(cut + 2);
+          const data = evt.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trim()).join("\n");
+          if (data) { try { finished = showJob(JSON.parse(data)) || finished; } catch (e) { /* comment/keepalive */ } }
+        }
+        if (finished) { reader.cancel(); return; }
+        return pump();
+      });
+      return pump();
+    }).catch(() => poll());
+  }
+
+  function fetchAdapter() {
+    authed("/v1/finetune-jobs/" + encodeURIComponent(state.jobId) + "/adapter").then((r) => {
+      if (!r.ok) throw new Error("adapter: " + r.status);
+      return r.blob();
+    }).then((b) => {
+      const a = $("download");
+      a.href = URL.createObjectURL(b);
+      a.download = "adapter-" + state.jobId + ".zip";
+      a.dataset.bytes = String(b.size);
+      a.hidden = false;
+      $("status").textContent = "adapter ready (" + b.size + " bytes)";
+    }).catch((e) => { $("status").textContent = String(e); });
   }
 
   function init() {
     if (!$("perturb")) return;
+    try { $("apikey").value = sessionStorage.getItem("gaussdp.apiKey") || ""; } catch (e) { /* storage off */ }
     $("status").textContent = "loading vocabulary...";
     loadVocab().then((v) => {
-      $("status").textContent = "vocabulary: " + v.words.length + " words, " + v.dim + " dimensions";
+      $("status").textContent = "vocabulary: " + v.words.length + " words, " + v.dim + " dimensions" +
+        (v.sub ? ", subword vectors for unknown words" : "");
       $("perturb").disabled = false;
     }).catch((e) => { $("status").textContent = String(e); });
+    $("mechanism").addEventListener("change", () => {
+      const lap = $("mechanism").value === "laplace";
+      $("sigma-label").hidden = lap;
+      $("epsilon-label").hidden = !lap;
+      showGuarantee();
+    });
     $("sigma").addEventListener("change", showGuarantee);
+    $("epsilon").addEventListener("change", showGuarantee);
     showGuarantee();
     $("file").addEventListener("change", () => {
       const f = $("file").files[0];
@@ -147,23 +204,70 @@
       });
     });
     $("perturb").addEventListener("click", () => {
-      const sigma = parseFloat($("sigma").value);
+      const m = mechanism();
       const text = $("input").value;
       if (new TextEncoder().encode(text).length > MAX_BYTES) { $("status").textContent = "text over 20 MB"; return; }
-      if (!(sigma > 0)) { $("status").textContent = "sigma must be > 0"; return; }
-      window.gaussdpText.perturbText(text, sigma).then((r) => {
-        $("output").value = r.text;
-        $("stats").textContent = r.words + " words, " + r.changed + " known words changed, " +
-          r.unknown + " unknown words (perturbed from the zero vector)";
-        $("submit").disabled = false;
-      });
+      if (!mechOk(m)) { $("status").textContent = "the noise parameter must be > 0"; return; }
+      $("perturb").disabled = true;
+      $("progress").value = 0;
+      perturbInWorker(text, m, (f, words) => { $("progress").value = f; $("status").textContent = "perturbing: " + words + " words"; })
+        .then((r) => {
+          state.result = { text: r.text, mech: m };
+          $("output").value = r.text;
+          $("progress").value = 1;
+          $("stats").textContent = r.stats.words + " words in " + r.seconds.toFixed(2) + " s, " + r.stats.changed +
+            " known words changed, " + r.stats.unknown + " unknown words";
+          $("status").textContent = "perturbed";
+          $("submit").disabled = false;
+          $("upload").disabled = false;
+        }).catch((e) => { $("status").textContent = String(e); })
+        .finally(() => { $("perturb").disabled = false; });
     });
     $("submit").addEventListener("click", () => {
-      // Only the perturbed text (and the public sigma) leaves the browser.
-      const body = JSON.stringify({ text: $("output").value, mechanism: "gaussian", sigma: parseFloat($("sigma").value) });
-      fetch("/text/submit", { method: "POST", headers: { "Content-Type": "application/json" }, body: body })
+      // Only the perturbed text (and the public noise parameter) leaves the browser.
+      const m = state.result.mech;
+      const body = { text: state.result.text, mechanism: m.name };
+      if (m.name === "laplace") body.epsilon = m.epsilon; else body.sigma = m.sigma;
+      fetch("/text/submit", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) })
         .then((r) => r.json().then((j) => ({ ok: r.ok, j: j })))
         .then(({ ok, j }) => { $("status").textContent = ok ? "submitted: " + j.words + " words" : "refused: " + JSON.stringify(j.detail); });
+    });
+    $("upload").addEventListener("click", () => {
+      const m = state.result.mech;
+      const q = "name=" + encodeURIComponent($("corpus-name").value || "corpus") + "&format=lines&" + mechQuery(m) +
+        "&vocabulary=" + encodeURIComponent(state.vocab.name || "");
+      // The body is the perturbed text only, one record per line.
+      authed("/v1/corpora?" + q, { method: "POST", headers: { "Content-Type": "text/plain; charset=utf-8" }, body: state.result.text })
+        .then(readJson).then((j) => {
+          state.corpusId = j.id;
+          $("corpus").textContent = "corpus " + j.id + ": " + j.records + " records, " + j.bytes + " bytes";
+          $("start").disabled = false;
+        }).catch((e) => { $("corpus").textContent = "upload refused: " + e.message; });
+    });
+    $("models").addEventListener("click", () => {
+      authed("/v1/models").then(readJson).then((list) => {
+        const items = Array.isArray(list) ? list : (list.models || list.data || []);
+        $("model").innerHTML = "";
+        for (const mdl of items) {
+          const o = document.createElement("option");
+          o.value = o.textContent = mdl.name;
+          $("model").appendChild(o);
+        }
+        $("status").textContent = items.length + " model(s)";
+      }).catch((e) => { $("status").textContent = "models: " + e.message; });
+    });
+    $("start").addEventListener("click", () => {
+      const body = {
+        corpus_id: state.corpusId, model: $("model").value,
+        target_epsilon: parseFloat($("target-epsilon").value), delta: parseFloat($("delta").value),
+        epochs: parseInt($("epochs").value, 10), batch_size: parseInt($("batch-size").value, 10),
+      };
+      authed("/v1/finetune-jobs", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) })
+        .then(readJson).then((j) => {
+          state.jobId = j.id;
+          $("download").hidden = true;
+          if (!showJob(j)) watchJob();
+        }).catch((e) => { $("job").textContent = "job refused: " + e.message; });
     });
   }
 
