@@ -128,11 +128,21 @@ def test_tenant_caps_on_sessions_and_total_epsilon(service, client) -> None:  # 
 
 @pytest.mark.parametrize("mode", ["keyed", "public", "off"])
 def test_text_routes_keyed_public_or_off(service, mode) -> None:  # type: ignore[no-untyped-def]
+    """keyed: the page and what it reads are public (a browser opening a page sends no key);
+    submitting text needs a key. public: no key anywhere. off: not on this app."""
     pytest.importorskip("gaussdp.text.web")
+    submit = {"text": "zzzz-not-a-word", "mechanism": "gaussian", "sigma": 0.5}
     with TestClient(create_app(ledger=service.ledger, text=mode)) as c:  # type: ignore[arg-type]
+        page = c.get("/text").status_code
         anonymous = c.get("/text/guarantee", params={"sigma": 0.5}).status_code
         keyed = c.get("/text/guarantee", params={"sigma": 0.5}, headers=_h(service.key_a)).status_code
-    assert (anonymous, keyed) == {"keyed": (401, 200), "public": (200, 200), "off": (404, 404)}[mode]
+        submit_anonymous = c.post("/text/submit", json=submit).status_code
+        submit_keyed = c.post("/text/submit", json=submit, headers=_h(service.key_a)).status_code
+    assert (page, anonymous, keyed, submit_anonymous, submit_keyed) == {
+        "keyed": (200, 200, 200, 401, 422),  # 422: reached the route (not vocabulary words)
+        "public": (200, 200, 200, 422, 422),
+        "off": (404, 404, 404, 404, 404),
+    }[mode]
     with TestClient(create_text_app()) as c:  # their own app
         assert c.get("/text/guarantee", params={"sigma": 0.5}).status_code == 200
         assert c.get("/v1/sessions").status_code == 404

@@ -35,8 +35,7 @@ selenium = pytest.importorskip("selenium", reason="needs selenium (dev extra)")
 pytest.importorskip("fastapi", reason="needs the service extra")
 uvicorn = pytest.importorskip("uvicorn", reason="needs the service extra")
 
-from fastapi import Header, HTTPException, Request  # noqa: E402
-from fastapi.responses import Response, StreamingResponse  # noqa: E402
+from fastapi import Request  # noqa: E402
 
 from gaussdp.errors import NotPrivateWarning  # noqa: E402
 from gaussdp.text import GaussianWordMechanism  # noqa: E402
@@ -56,116 +55,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-API_KEY = "test-key-123"
-
-
-def _contract_routes(app, vocab, corpora: list[dict]) -> None:
-    """A test double of the fine-tuning routes' contract (branch ft-service builds the real ones):
-    the page is driven against the same paths, methods, bodies and answers."""
-    import io
-    import zipfile
-
-    jobs: dict[str, dict] = {}
-
-    def key(authorization: str | None) -> None:
-        if authorization != f"Bearer {API_KEY}":
-            raise HTTPException(401, "bad API key")
-
-    @app.post("/v1/corpora")
-    async def upload(
-        request: Request,
-        name: str,
-        format: str,
-        mechanism: str,
-        vocabulary: str,
-        sigma: float | None = None,
-        epsilon: float | None = None,
-        authorization: str | None = Header(None),
-    ):
-        key(authorization)
-        body = await request.body()
-        if len(body) > 20_000_000:
-            raise HTTPException(413, "over 20 MB")
-        text = body.decode("utf-8")
-        cid = f"c{len(corpora) + 1}"
-        corpora.append(
-            {
-                "id": cid,
-                "name": name,
-                "format": format,
-                "mechanism": mechanism,
-                "sigma": sigma,
-                "epsilon": epsilon,
-                "vocabulary": vocabulary,
-                "text": text,
-            }
-        )
-        return {"id": cid, "records": len(text.split("\n")), "bytes": len(body)}
-
-    @app.get("/v1/models")
-    def models(authorization: str | None = Header(None)):
-        key(authorization)
-        return [{"name": "tiny-gpt2"}, {"name": "tiny-llama"}]
-
-    @app.post("/v1/finetune-jobs")
-    async def start(request: Request, authorization: str | None = Header(None)):
-        key(authorization)
-        body = await request.json()
-        if body["target_epsilon"] > 100:
-            raise HTTPException(409, "budget does not fit")
-        jid = f"j{len(jobs) + 1}"
-        jobs[jid] = dict(body, id=jid, state="queued", step=0, steps=3, epsilon_so_far=0.0, loss=None)
-        return jobs[jid]
-
-    def states(jid: str):
-        for step in range(1, 4):
-            yield {
-                "state": "running",
-                "step": step,
-                "steps": 3,
-                "epsilon_so_far": 1.5 * step,
-                "loss": 3.0 / step,
-            }
-        yield {"state": "succeeded", "step": 3, "steps": 3, "epsilon_so_far": 4.5, "loss": 1.0}
-
-    @app.get("/v1/finetune-jobs/{jid}")
-    def job(jid: str, authorization: str | None = Header(None)):
-        key(authorization)
-        return jobs[jid]
-
-    @app.get("/v1/finetune-jobs/{jid}/events")
-    def events(jid: str, authorization: str | None = Header(None)):
-        key(authorization)
-
-        def stream():
-            for st in states(jid):
-                jobs[jid].update(st)
-                time.sleep(0.05)
-                yield f"data: {json.dumps(jobs[jid])}\n\n"
-
-        return StreamingResponse(stream(), media_type="text/event-stream")
-
-    @app.get("/v1/finetune-jobs/{jid}/adapter")
-    def adapter(jid: str, authorization: str | None = Header(None)):
-        key(authorization)
-        if jobs[jid]["state"] != "succeeded":
-            raise HTTPException(409, "not finished")
-        buf = io.BytesIO()
-        with zipfile.ZipFile(buf, "w") as z:
-            z.writestr("adapter_config.json", json.dumps({"job": jid}))
-        return Response(buf.getvalue(), media_type="application/zip")
-
-
 @pytest.fixture(scope="module")
-def server():
-    from fastapi import FastAPI
+def server(tmp_path_factory):
+    """The real service (``create_app``: the page, corpora, sessions, fine-tuning jobs) on a port,
+    with a fine-tuning worker in a thread; every POST body it receives is recorded."""
+    pytest.importorskip("peft", reason="needs the hf extra")
+    from gaussdp.budget import Ledger
+    from gaussdp.finetune import tiny_causal_lm
+    from gaussdp.service.app import create_app
+    from gaussdp.service.keys import create_api_key
+    from gaussdp.service.worker import run_worker
 
-    from gaussdp.text.web import make_router
-
+    root = tmp_path_factory.mktemp("text-flow")
+    db = f"sqlite:///{root}/ledger.db"
+    ledger = Ledger(db)
+    key = create_api_key(ledger.store, "owner")
+    model_dir = tiny_causal_lm(root / "tiny")
+    data_dir = root / "data"
     vocab = shipped_vocabulary()
     raw_bodies: list[bytes] = []
-    corpora: list[dict] = []
-    app = FastAPI()
+    app = create_app(ledger=ledger, data_dir=str(data_dir), model_paths={"tiny": str(model_dir)})
 
     @app.middleware("http")
     async def record(request: Request, call_next):  # the bytes the server really receives
@@ -173,8 +82,14 @@ def server():
             raw_bodies.append(await request.body())
         return await call_next(request)
 
-    app.include_router(make_router(vocab))
-    _contract_routes(app, vocab, corpora)
+    stop = threading.Event()
+    worker = threading.Thread(
+        target=run_worker,
+        args=(db, data_dir, {"tiny": str(model_dir)}),
+        kwargs={"poll_s": 0.2, "should_exit": stop.is_set},
+        daemon=True,
+    )
+    worker.start()
     port = _free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     srv = uvicorn.Server(config)
@@ -185,9 +100,12 @@ def server():
         if time.time() > deadline:
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.05)
-    yield {"url": f"http://127.0.0.1:{port}", "vocab": vocab, "raw": raw_bodies, "corpora": corpora}
+    yield {"url": f"http://127.0.0.1:{port}", "vocab": vocab, "raw": raw_bodies, "key": key, "ledger": ledger}
     srv.should_exit = True
+    stop.set()
     thread.join(timeout=10)
+    worker.join(timeout=30)
+    ledger.close()
 
 
 @pytest.fixture(scope="module")
@@ -218,14 +136,14 @@ def driver():
     shutil.rmtree(profile, ignore_errors=True)
 
 
-def _wait(cond, timeout=30.0):
+def _wait(cond, timeout=30.0, what=None):
     deadline = time.time() + timeout
     while time.time() < deadline:
         value = cond()
         if value:
             return value
         time.sleep(0.1)
-    raise AssertionError("timed out waiting for the page")
+    raise AssertionError("timed out waiting for the page" + (f": {what()}" if what else ""))
 
 
 def test_text_browser_sends_only_perturbed_text(server, driver):
@@ -240,6 +158,8 @@ def test_text_browser_sends_only_perturbed_text(server, driver):
     sigma.send_keys("0.3")
     driver.find_element(By.ID, "perturb").click()
     output = _wait(lambda: driver.find_element(By.ID, "output").get_attribute("value"))
+    driver.find_element(By.ID, "apikey").clear()
+    driver.find_element(By.ID, "apikey").send_keys(server["key"])  # submitting needs a key
     driver.find_element(By.ID, "submit").click()
     _wait(lambda: driver.find_element(By.ID, "status").text.startswith("submitted"))
 
@@ -411,12 +331,13 @@ def test_text_browser_worker_words_per_second(server, driver):
 
 
 def test_text_browser_whole_flow_sends_only_perturbed_text(server, driver):
-    """Perturb (Laplace) -> upload -> models -> start job -> watch events -> download the adapter."""
+    """Perturb (Laplace) -> upload -> models -> session -> job -> watch events -> download, against
+    the real routes and a real worker; only perturbed text and the job's parameters are posted."""
+    import httpx
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
     server["raw"].clear()
-    server["corpora"].clear()
     driver.get(server["url"] + "/text")
     _wait(lambda: driver.find_element(By.ID, "status").text.startswith("vocabulary:"))
     text = _lee_paragraph()[:1500] + "\n" + INPUT
@@ -429,30 +350,64 @@ def test_text_browser_whole_flow_sends_only_perturbed_text(server, driver):
     _wait(lambda: driver.find_element(By.ID, "status").text == "perturbed")
     assert driver.find_element(By.ID, "progress").get_attribute("value") == "1"
     output = driver.find_element(By.ID, "output").get_attribute("value")
-    driver.find_element(By.ID, "apikey").send_keys(API_KEY)
+    driver.find_element(By.ID, "apikey").clear()
+    driver.find_element(By.ID, "apikey").send_keys(server["key"])
     driver.find_element(By.ID, "upload").click()
-    _wait(lambda: driver.find_element(By.ID, "corpus").text.startswith("corpus c1"))
+    _wait(lambda: driver.find_element(By.ID, "corpus").text)
+    assert driver.find_element(By.ID, "corpus").text.startswith("corpus "), driver.find_element(
+        By.ID, "corpus"
+    ).text
     driver.find_element(By.ID, "models").click()
-    _wait(lambda: len(Select(driver.find_element(By.ID, "model")).options) == 2)
+    _wait(lambda: len(Select(driver.find_element(By.ID, "model")).options) == 1)
+    target = driver.find_element(By.ID, "target-epsilon")
+    target.clear()
+    target.send_keys("4")
     driver.find_element(By.ID, "start").click()
-    _wait(lambda: "succeeded" in driver.find_element(By.ID, "job").text)
+    _wait(
+        lambda: "succeeded" in driver.find_element(By.ID, "job").text,
+        timeout=180,
+        what=lambda: (
+            driver.find_element(By.ID, "job").text
+            + " | "
+            + driver.find_element(By.ID, "status").text
+            + " | "
+            + driver.find_element(By.ID, "corpus").text
+        ),
+    )
     _wait(lambda: driver.find_element(By.ID, "download").get_attribute("data-bytes"))
-    assert int(driver.find_element(By.ID, "download").get_attribute("data-bytes")) > 20
-    assert "epsilon so far 4.5" in driver.find_element(By.ID, "job").text
-    assert driver.execute_script("return sessionStorage.getItem('gaussdp.apiKey')") == API_KEY
+    assert int(driver.find_element(By.ID, "download").get_attribute("data-bytes")) > 1000
+    assert driver.execute_script("return sessionStorage.getItem('gaussdp.apiKey')") == server["key"]
 
-    (corpus,) = server["corpora"]
-    assert corpus["text"] == output and corpus["mechanism"] == "laplace" and corpus["epsilon"] == 30
-    assert corpus["vocabulary"].startswith("sha256-") and corpus["format"] == "lines"
+    # What the server stored and charged, read back through its API.
+    auth = {"Authorization": f"Bearer {server['key']}"}
+    (corpus,) = httpx.get(server["url"] + "/v1/corpora", headers=auth).json()
+    assert corpus["local_dp"]["mechanism"] == "laplace" and corpus["local_dp"]["epsilon"] == 30
+    (job,) = httpx.get(server["url"] + "/v1/finetune-jobs", headers=auth).json()
+    assert job["state"] == "succeeded" and 0 < job["epsilon"] <= 4.0
+    session = httpx.get(server["url"] + f"/v1/sessions/{job['session_id']}", headers=auth).json()
+    assert session["spent"]["epsilon"] == job["epsilon"]  # charged up front, exactly the plan
+
     vocab = server["vocab"]
     released = tokenize(output)
     assert len(released) == len(tokenize(text)) and all(w in vocab for w in released)
-    # Every POST body the server received: the corpus (perturbed text) and the job request only.
-    assert len(server["raw"]) == 2
-    job = json.loads(server["raw"][1])
-    assert set(job) == {"corpus_id", "model", "target_epsilon", "delta", "epochs", "batch_size"}
-    everything = b"\n".join(server["raw"]).decode("utf-8").lower()
+    # Every POST body the server received: the corpus (perturbed text), the session, the job.
+    assert len(server["raw"]) == 3
+    assert server["raw"][0].decode("utf-8") == output
+    assert set(json.loads(server["raw"][1])) == {"epsilon", "delta"}
+    assert set(json.loads(server["raw"][2])) == {
+        "corpus_id", "model", "session_id", "target_epsilon", "delta", "epochs", "batch_size",
+    }  # fmt: skip
+    # The JSON bodies carry numbers and ids only; the corpus body holds no out-of-vocabulary word.
+    job_body = json.loads(server["raw"][2])
+    assert all(
+        isinstance(v, int | float)
+        for k, v in job_body.items()
+        if k not in ("corpus_id", "model", "session_id")
+    )
+    assert (job_body["corpus_id"], job_body["model"]) == (corpus["id"], "tiny")
+    posted = server["raw"][0].decode("utf-8").lower()
     oov = {w for w in tokenize(text) if w not in vocab}
     assert SECRET.lower() in oov
-    leaked = [w for w in oov if re.search(rf"(?<![\w']){re.escape(w)}(?![\w'])", everything)]
+    leaked = [w for w in oov if re.search(rf"(?<![\w']){re.escape(w)}(?![\w'])", posted)]
     assert leaked == [], leaked
+    assert SECRET.lower().encode() not in b"\n".join(server["raw"]).lower()

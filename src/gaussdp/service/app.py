@@ -861,11 +861,13 @@ def _encode(out: Any, name: str, *, b64: bool) -> dict[str, Any]:
 def _include_optional_routers(app: FastAPI, dependencies: list[Any]) -> None:
     """Routers other topics contribute, when their modules (and extras) are importable."""
     try:
-        from gaussdp.text.web import router as text_router
+        from gaussdp.text.web import make_router
     except ImportError:
         return
+    # The page, its scripts, the vocabulary and the guarantee are public (a browser opening a page
+    # sends no key); submitting text needs the key the user types into the page.
     errors = error_responses(401, 403, 429) if dependencies else {}
-    app.include_router(text_router, dependencies=dependencies, responses=errors)
+    app.include_router(make_router(submit_dependencies=dependencies, submit_responses=errors))
 
 
 def _version() -> str:

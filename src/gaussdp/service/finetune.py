@@ -93,6 +93,7 @@ from gaussdp.service.jobs import TERMINAL_STATES, CorpusRow, JobRow, JobStore
 from gaussdp.service.responses import responses as error_responses
 from gaussdp.service.worker import adapter_dir, corpus_path, finetune_config
 from gaussdp.text.tokenize import MAX_INPUT_BYTES, words
+from gaussdp.text.vocabulary import vocabulary_id
 
 __all__ = ["CORPORA_PATH", "MAX_CORPUS_BYTES", "make_finetune_router", "vocabulary_id"]
 
@@ -103,11 +104,6 @@ SSE_MAX_S = 3600.0  # a stream ends after an hour; the client reconnects
 
 CorpusId = Annotated[str, Path(pattern=ID_PATTERN, description="The corpus's id.")]
 JobId = Annotated[str, Path(pattern=ID_PATTERN, description="The job's id.")]
-
-
-def vocabulary_id(vocabulary: Any) -> str:
-    """First 16 hex digits of sha256 of the vocabulary's words joined by newlines."""
-    return hashlib.sha256("\n".join(vocabulary.words).encode("utf-8")).hexdigest()[:16]
 
 
 # -- the router --------------------------------------------------------------------------------------

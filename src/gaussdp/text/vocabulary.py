@@ -20,6 +20,7 @@ unpickles objects (``allow_pickle=False``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -35,7 +36,7 @@ from gaussdp.errors import InvalidParameter, UnsafeInput
 from gaussdp.text.search import ExactSearch
 from gaussdp.text.subwords import SubwordTable
 
-__all__ = ["FORMAT_VERSION", "Vocabulary", "train_word2vec"]
+__all__ = ["FORMAT_VERSION", "Vocabulary", "train_word2vec", "vocabulary_id"]
 
 FORMAT_VERSION = 1
 
@@ -501,3 +502,11 @@ def train_word2vec(
         }
     )
     return vocab
+
+
+def vocabulary_id(vocabulary: Vocabulary) -> str:
+    """The vocabulary's id: first 16 hex digits of sha256 of its words joined by newlines.
+
+    The page declares it with an upload and the fine-tuning service checks it against its own.
+    """
+    return hashlib.sha256("\n".join(vocabulary.words).encode("utf-8")).hexdigest()[:16]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any
 
@@ -36,9 +36,9 @@ from pydantic import BaseModel, Field
 from gaussdp.errors import PrivacyError
 from gaussdp.text.mechanisms import GaussianWordMechanism, LaplaceWordMechanism
 from gaussdp.text.tokenize import MAX_INPUT_BYTES, lines_of_words
-from gaussdp.text.vocabulary import Vocabulary
+from gaussdp.text.vocabulary import Vocabulary, vocabulary_id
 
-__all__ = ["Submission", "make_router", "router", "vocabulary_name"]
+__all__ = ["Submission", "make_router", "router", "vocabulary_id", "vocabulary_name"]
 
 UNKNOWN_WORDS_SUBWORDS = (
     "Words outside the vocabulary get a public vector computed from their character n-grams "
@@ -90,11 +90,17 @@ def make_router(
     vocabulary: Vocabulary | Callable[[], Vocabulary] | None = None,
     *,
     on_submit: Callable[[Submission], None] | None = None,
+    submit_dependencies: Sequence[Any] = (),
+    submit_responses: dict[int | str, dict[str, Any]] | None = None,
 ) -> APIRouter:
     """A router serving the page for ``vocabulary`` (an instance, a loader, or None for the default).
 
     ``on_submit`` receives each accepted :class:`Submission` (e.g. to store it); by default
-    submissions are only counted and hashed in the response.
+    submissions are only counted and hashed in the response. ``submit_dependencies`` guard
+    ``POST /text/submit`` (e.g. an API key): the page, its scripts, the vocabulary and the
+    guarantee are public (a browser opening the page cannot send a key), and the page sends the
+    key the user types with every call that needs one; ``submit_responses`` documents what the
+    dependencies may answer.
     """
     api = APIRouter(tags=["text"])
     cache: dict[str, Any] = {}
@@ -123,6 +129,7 @@ def make_router(
             v = vocab()
             payload: dict[str, Any] = {
                 "name": vocabulary_name(v),
+                "id": vocabulary_id(v),  # what an upload to /v1/corpora declares
                 "words": v.words,
                 "dim": v.dim,
                 "clip": v.clip,
@@ -175,7 +182,12 @@ def make_router(
     def worker_script() -> Response:
         return Response(_static("text_worker.js"), media_type="text/javascript")
 
-    @api.post("/text/submit", summary="Receive perturbed text (vocabulary words only)")
+    @api.post(
+        "/text/submit",
+        summary="Receive perturbed text (vocabulary words only)",
+        dependencies=list(submit_dependencies),
+        responses=submit_responses,
+    )
     def submit(body: Submission) -> dict[str, Any]:
         if body.mechanism not in ("gaussian", "laplace"):
             raise HTTPException(status_code=422, detail=f"unsupported mechanism {body.mechanism!r}")

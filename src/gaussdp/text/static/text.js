@@ -228,14 +228,14 @@
       const m = state.result.mech;
       const body = { text: state.result.text, mechanism: m.name };
       if (m.name === "laplace") body.epsilon = m.epsilon; else body.sigma = m.sigma;
-      fetch("/text/submit", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) })
+      authed("/text/submit", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) })
         .then((r) => r.json().then((j) => ({ ok: r.ok, j: j })))
         .then(({ ok, j }) => { $("status").textContent = ok ? "submitted: " + j.words + " words" : "refused: " + JSON.stringify(j.detail); });
     });
     $("upload").addEventListener("click", () => {
       const m = state.result.mech;
       const q = "name=" + encodeURIComponent($("corpus-name").value || "corpus") + "&format=lines&" + mechQuery(m) +
-        "&vocabulary=" + encodeURIComponent(state.vocab.name || "");
+        "&vocabulary=" + encodeURIComponent(state.payload.id || "");
       // The body is the perturbed text only, one record per line.
       authed("/v1/corpora?" + q, { method: "POST", headers: { "Content-Type": "text/plain; charset=utf-8" }, body: state.result.text })
         .then(readJson).then((j) => {
@@ -256,13 +256,25 @@
         $("status").textContent = items.length + " model(s)";
       }).catch((e) => { $("status").textContent = "models: " + e.message; });
     });
+    // The job is charged to a session's budget before it is queued: the one named, or a new session
+    // whose budget is exactly the job's (epsilon, delta).
+    function payingSession(epsilon, delta) {
+      const named = $("session").value.trim();
+      if (named) return Promise.resolve(named);
+      const body = { epsilon: epsilon, delta: delta };
+      return authed("/v1/sessions", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) })
+        .then(readJson).then((s) => { $("session").value = s.session_id; return s.session_id; });
+    }
     $("start").addEventListener("click", () => {
-      const body = {
-        corpus_id: state.corpusId, model: $("model").value,
-        target_epsilon: parseFloat($("target-epsilon").value), delta: parseFloat($("delta").value),
-        epochs: parseInt($("epochs").value, 10), batch_size: parseInt($("batch-size").value, 10),
-      };
-      authed("/v1/finetune-jobs", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) })
+      const epsilon = parseFloat($("target-epsilon").value), delta = parseFloat($("delta").value);
+      payingSession(epsilon, delta).then((sessionId) => {
+        const body = {
+          corpus_id: state.corpusId, model: $("model").value, session_id: sessionId,
+          target_epsilon: epsilon, delta: delta,
+          epochs: parseInt($("epochs").value, 10), batch_size: parseInt($("batch-size").value, 10),
+        };
+        return authed("/v1/finetune-jobs", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+      })
         .then(readJson).then((j) => {
           state.jobId = j.id;
           $("download").hidden = true;
