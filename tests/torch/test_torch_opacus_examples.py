@@ -15,6 +15,7 @@ the example's ``main()`` for a few steps and checks that
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import sys
@@ -116,9 +117,14 @@ def _check_fixed_batch_epsilon(engine, *, sigma: float, epochs: int, delta: floa
     return eps
 
 
-def _blobs(n: int, shape: tuple[int, ...], classes: int, seed: int, scale: float = 1.0):
-    """Inputs that are one fixed pattern per class plus noise: an easy task with a clear accuracy."""
-    proto = torch.randn(classes, *shape, generator=torch.Generator().manual_seed(1234))
+def _blobs(n: int, shape: tuple[int, ...], classes: int, seed: int, scale: float = 1.0, block: int = 1):
+    """Inputs that are one fixed pattern per class plus noise: an easy task with a clear accuracy.
+    With ``block`` > 1 the patterns are constant on ``block x block`` squares of an image (coarse
+    enough to survive the average pooling of cifar10.py's CNN, which blurs pixel-level patterns)."""
+    coarse = (*shape[:-2], *(d // block for d in shape[-2:])) if block > 1 else shape
+    proto = torch.randn(classes, *coarse, generator=torch.Generator().manual_seed(1234))
+    if block > 1:
+        proto = proto.repeat_interleave(block, -1).repeat_interleave(block, -2)
     g = torch.Generator().manual_seed(seed)
     y = torch.randint(0, classes, (n,), generator=g)
     x = proto[y] * scale + torch.randn(n, *shape, generator=g)
@@ -127,8 +133,9 @@ def _blobs(n: int, shape: tuple[int, ...], classes: int, seed: int, scale: float
 
 # ------------------------------------------------------------------------- torchvision stub
 class _ImageSet(Dataset):
-    def __init__(self, shape, n_train, n_test, *, train=True, transform=None, **_):
-        self.x, self.y = _blobs(n_train if train else n_test, shape, 10, seed=1 if train else 2, scale=3.0)
+    def __init__(self, shape, n_train, n_test, *, block=1, train=True, transform=None, **_):
+        n, seed = (n_train, 1) if train else (n_test, 2)
+        self.x, self.y = _blobs(n, shape, 10, seed=seed, scale=3.0, block=block)
         self.transform = transform
 
     def __len__(self):
@@ -139,7 +146,7 @@ class _ImageSet(Dataset):
         return (self.transform(x) if self.transform else x), int(self.y[i])
 
 
-def _torchvision(monkeypatch, *, n_train: int, n_test: int) -> None:
+def _torchvision(monkeypatch, *, n_train: int, n_test: int, block: int = 1) -> None:
     """A stand-in for ``torchvision`` (not installed): synthetic MNIST/CIFAR10 tensors, transforms
     that are identities on tensors (``Normalize`` normalises)."""
     tv = types.ModuleType("torchvision")
@@ -152,7 +159,7 @@ def _torchvision(monkeypatch, *, n_train: int, n_test: int) -> None:
 
     class CIFAR10(_ImageSet):
         def __init__(self, root, **kw):
-            super().__init__((3, 32, 32), n_train, n_test, **kw)
+            super().__init__((3, 32, 32), n_train, n_test, block=block, **kw)
 
     class Compose:
         def __init__(self, fns):
@@ -210,6 +217,51 @@ def _not_worse_beyond_seed_noise(ours: list[float], theirs: list[float]) -> None
     m_o, m_t = sum(ours) / n, sum(theirs) / n
     var = sum((a - m_o) ** 2 for a in ours) / (n - 1) + sum((a - m_t) ** 2 for a in theirs) / (n - 1)
     assert m_o >= m_t - 3 * math.sqrt(var / n), (ours, theirs)
+
+
+ALPHA = 0.01  # each accuracy comparison with Opacus wrongly fails with probability 1% under its null
+
+
+def _same_accuracy_within_seed_noise(ours: list[float], theirs: list[float], *, chance: float) -> None:
+    """Welch's two-sample t-test, two-sided, at level ``ALPHA``: the null hypothesis is that gaussdp's
+    and Opacus's runs have the same mean accuracy. Two-sided on purpose: an engine clearly *better*
+    than Opacus's at the same noise multiplier would be adding less noise than it accounts for.
+    The runs are seeded (data, initialisation, sampling and noise), so the outcome is the same on
+    every run of the test: the stated 1% is the chance that seeds like these make a correct engine
+    fail, not a flake rate. Both engines must also learn (mean above ``chance`` by a clear margin),
+    or the comparison would only say that both are at chance."""
+    mine, other = sum(ours) / len(ours), sum(theirs) / len(theirs)
+    assert mine > chance + 0.15 and other > chance + 0.15, (ours, theirs)
+    if len(set(ours)) == 1 and len(set(theirs)) == 1:  # no spread at all: t is undefined
+        assert mine == other, (ours, theirs)
+        return
+    p = stats.ttest_ind(ours, theirs, equal_var=False).pvalue
+    assert p >= ALPHA, (p, ours, theirs)
+
+
+def _seeded_engines(seed: int) -> list:
+    """The two engines to compare, for run ``seed``: gaussdp's with its Poisson sampling and noise
+    seeded (``PrivacyEngine(seed=...)``, warned as not private), Opacus's, whose sampling and noise
+    come from torch's global generator, seeded by the caller's ``torch.manual_seed(seed)``."""
+    import opacus
+
+    class Seeded(PrivacyEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, seed=10_000 + seed, **kwargs)
+
+    return [Seeded, opacus.PrivacyEngine]
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """One torch thread: these short runs are mostly small ops, which two threads on a shared
+    machine make several times slower (OpenMP waits), and results do not depend on it."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 @pytest.mark.slow
@@ -282,6 +334,42 @@ def test_cifar10_example(monkeypatch, tmp_path, group_norm, extra):
         assert engine.clipper.max_grad_norm == pytest.approx(10.0)  # sqrt(n * (C / sqrt(n))^2)
 
 
+def _cifar10_accuracy(monkeypatch, tmp_path, engine_class, group_norm: bool) -> float:
+    """The example's best test accuracy over its epochs, on the synthetic CIFAR10 stand-in."""
+    _torchvision(monkeypatch, n_train=CIFAR10_TRAIN, n_test=128, block=8)
+    mod = _load("cifar10")
+    if group_norm:
+        monkeypatch.setattr(mod, "convnet", _convnet_with_groupnorm)
+    monkeypatch.setattr(mod, "PrivacyEngine", engine_class)
+    argv = ["--device", "cpu", "--batch-size", "32", "-b", "128", "-j", "0", *CIFAR10_ARGS]
+    argv += ["--print-freq", "1000", "--data-root", str(tmp_path)]
+    _run(monkeypatch, tmp_path, mod, [*argv, "--checkpoint-file", str(tmp_path / "ckpt")])
+    return float(torch.load(tmp_path / "ckpt.tar", weights_only=False)["best_acc1"])
+
+
+CIFAR10_TRAIN = 256
+CIFAR10_ARGS = ["--epochs", "2", "--sigma", "0.7", "-c", "1.0", "--lr", "0.5", "--momentum", "0.9"]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::gaussdp.errors.NotPrivateWarning")  # the seeded gaussdp runs
+@pytest.mark.parametrize("group_norm", [False, True], ids=["plain", "groupnorm"])
+def test_cifar10_example_accuracy_matches_opacus(monkeypatch, tmp_path, group_norm):
+    """cifar10.py's CNN (and its GroupNorm variant), same task, hyperparameters and seeds
+    (initialisation) with Opacus's engine and gaussdp's: the same accuracy within seed noise."""
+    ours, theirs = [], []
+    with _one_thread():
+        for seed in range(RUNS):
+            for engine_class, out in zip(_seeded_engines(seed), (ours, theirs), strict=True):
+                torch.manual_seed(seed)
+                out.append(_cifar10_accuracy(monkeypatch, tmp_path, engine_class, group_norm))
+    print(ours, theirs)
+    _same_accuracy_within_seed_noise(ours, theirs, chance=0.1)
+
+
+RUNS = 4
+
+
 # ------------------------------------------------------------------------------- char-LSTM
 _NAMES = {  # a few letters typical of each "language": the classes are easy to tell apart
     "Aaa": "aeiou",
@@ -319,6 +407,34 @@ def test_char_lstm_classification_example(monkeypatch, tmp_path, mode):
     # names varied from 0.375 to 0.92 over six runs here, so any bar above chance (1/3) fails often.
     # The accuracy comparison with Opacus's engine is the statistical one on the mnist example.
     assert 0.0 <= float(accuracy) <= 1.0
+
+
+def _char_lstm_accuracy(monkeypatch, tmp_path, engine_class, data: Path) -> float:
+    mod = _load("char_lstm_classification")
+    monkeypatch.setattr(mod, "PrivacyEngine", engine_class)
+    argv = ["--data-root", str(data), "--device", "cpu", "-b", "24", "--mode", "lstm", "--epochs", "3"]
+    argv += ["--embedding-size", "16", "--hidden-size", "24", "--learning-rate", "2.0", "--sigma", "1.0"]
+    _run(monkeypatch, tmp_path, mod, [*argv, "-c", "1.5", "--delta", "8e-5"])
+    return float(torch.load(tmp_path / "run_results_chr_lstm_classification.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::gaussdp.errors.NotPrivateWarning")  # the seeded gaussdp runs
+def test_char_lstm_example_accuracy_matches_opacus(monkeypatch, tmp_path):
+    """char-lstm-classification.py with its DPLSTM, same names, hyperparameters and seeds (train/test
+    split, initialisation) with Opacus's engine and gaussdp's: the same accuracy within seed noise."""
+    data = _names_dir(tmp_path / "names", per_class=CHAR_LSTM_PER_CLASS)
+    ours, theirs = [], []
+    with _one_thread():
+        for seed in range(RUNS):
+            for engine_class, out in zip(_seeded_engines(seed), (ours, theirs), strict=True):
+                torch.manual_seed(seed)
+                out.append(_char_lstm_accuracy(monkeypatch, tmp_path, engine_class, data))
+    print(ours, theirs)
+    _same_accuracy_within_seed_noise(ours, theirs, chance=1 / 3)
+
+
+CHAR_LSTM_PER_CLASS = 100
 
 
 # ------------------------------------------------------------------------------------ IMDb
