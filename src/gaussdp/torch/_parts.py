@@ -418,6 +418,7 @@ class ConvPart:
             and t >= 128
             and k >= 64
             and torch.backends.mkldnn.is_available()
+            and bool(torch.backends.mkldnn.enabled)  # else a per-group loop: far slower
         )
 
     def _per_sample_grouped(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
