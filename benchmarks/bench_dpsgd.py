@@ -32,7 +32,16 @@ tensor in ``embedding_norm_sample``); gaussdp handles both (tested).
 shown for its memory. Opacus cannot run ``nn.MultiheadAttention`` as is: its rows use
 ``ModuleValidator.fix`` (its own ``DPMultiheadAttention``), the other rows the original module.
 
-Run: ``.venv/bin/python benchmarks/bench_dpsgd.py [--reps 15] [--only a,b,c,d,e,f,g]``
+Memory floor of the cifar10 CNN rows (e, f) for exact flat clipping in one backward pass: plain
+training peaks in the first block's backward (its ReLU output and two gradients of 16 MiB each);
+by then every later convolution must still hold what its clipped sum needs until the first
+layer's norms are known, at least the smaller of its per-sample gradients and its (input, output
+gradient): 9 + 4 + 1.5 MiB for the second to fourth convolutions, so (e) cannot go much below
+(50.5 + 14.5) / 50.5 = 1.29x plain nor (f) below about 1.14x (measured 1.28x and 1.15x). Going
+lower takes recomputing those tensors from the first block's or a second backward pass (time).
+
+Run: ``.venv/bin/python benchmarks/bench_dpsgd.py [--reps 15] [--only a,b,c,d,e,f,g]
+[--methods plain,gaussdp,...]`` (one thread by default: ``--threads``).
 """
 
 from __future__ import annotations

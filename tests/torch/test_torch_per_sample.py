@@ -515,18 +515,67 @@ CONVS = [
 
 
 @pytest.mark.parametrize(("make", "shape"), CONVS, ids=[f"conv{i}" for i in range(len(CONVS))])
-@pytest.mark.parametrize("route", ["model", "gram", "input-gram", "build", "keep"])
+@pytest.mark.parametrize(
+    "route", ["model", "gram", "input-gram", "build", "keep", "build-grouped", "keep-grouped"]
+)
 def test_convolutions_match_the_loop(monkeypatch, make, shape, route):
     """Conv1d/2d/3d and ConvTranspose1d/2d/3d (stride, padding and padding modes, dilation, groups)
     through each route of the cost model: norms by the Gram identity, from per-sample gradients
-    dropped after (sum by a weight-gradient convolution), or kept for the sum; in small chunks."""
+    dropped after (sum by a weight-gradient convolution), or kept for the sum; in small chunks.
+    Per-sample gradients from patches and a batched matmul, or ("-grouped") from one convolution
+    with the samples as groups (in float64 torch's own convolution, not oneDNN's: see
+    test_conv_grouped_per_sample_gradients_float32 for that)."""
     from gaussdp.torch._parts import ConvPart
 
+    grouped = route.endswith("-grouped")
+    monkeypatch.setattr(ConvPart, "_grouped", lambda self, a: grouped)
+    route = route.removesuffix("-grouped")
     if route != "model":
         monkeypatch.setattr(ConvPart, "route", lambda self: route)
         monkeypatch.setattr(ConvPart, "_CHUNK", 1)  # one sample per chunk: the chunk loop is tested
     torch.manual_seed(0)
     _conv_check(make(), torch.randn(*shape))
+
+
+@pytest.mark.parametrize(
+    ("c_in", "c_out", "k", "size", "stride", "padding", "groups"),
+    [(1, 16, 8, 28, 2, 3, 1), (32, 64, 3, 16, 1, 1, 1), (8, 8, 4, 18, 1, 2, 2)],
+)
+def test_conv_grouped_per_sample_gradients_float32(c_in, c_out, k, size, stride, padding, groups):
+    """The float32 per-sample gradients formed by one grouped convolution (oneDNN where available,
+    as chosen for layers like the mnist CNN's first and the cifar10 CNN's second) against a float64
+    per-sample loop; the norms and the kept gradients' weighted sum too."""
+    from gaussdp.torch._parts import ConvPart
+
+    torch.manual_seed(0)
+    b = 6
+    conv = nn.Conv2d(c_in, c_out, k, stride=stride, padding=padding, groups=groups).double()
+    x = torch.randn(b, c_in, size, size, dtype=torch.float64)
+    g = torch.randn_like(conv(x))
+    ref = torch.stack(
+        [
+            torch.ops.aten.convolution_backward(
+                g[i : i + 1], x[i : i + 1], conv.weight, None, conv.stride, conv.padding,
+                conv.dilation, False, (0, 0), groups, (False, True, False),
+            )[1]
+            for i in range(b)
+        ]
+    )  # fmt: skip
+    part = ConvPart(
+        x.float(), g.float(), conv.weight.shape, stride=conv.stride, padding=conv.padding,
+        dilation=conv.dilation, groups=groups,
+    )  # fmt: skip
+    assert part._grouped(part.a) == (k * k * c_in // groups >= 64 and part._dims()[0] >= 128)
+    part._grouped = lambda a: True  # type: ignore[method-assign]
+    part.route = lambda: "keep"  # type: ignore[method-assign]
+    sq = part.sq_norms()
+    torch.testing.assert_close(sq.double(), ref.flatten(1).square().sum(1), rtol=1e-5, atol=1e-6)
+    assert part._ps is not None and part._ps.dtype == torch.float32
+    # float32 sums of up to 256 products of unit normals (entries of size about 16)
+    torch.testing.assert_close(part._ps.double(), ref, rtol=1e-4, atol=1e-4)
+    w = torch.rand(b, dtype=torch.float64)
+    torch.testing.assert_close(part.weighted_sum(w.float()).double(), (w.view(-1, 1, 1, 1, 1) * ref).sum(0),
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
 
 
 def test_conv_cost_model_routes():

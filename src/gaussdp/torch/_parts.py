@@ -370,7 +370,10 @@ class ConvPart:
         a, b = _acc(self.a), _acc(self.b)
         n, g = a.shape[0], self.groups
         t, k, c = self._dims()
-        step = self._chunks(route)
+        grouped = route in ("keep", "build") and self._grouped(a)
+        # oneDNN's grouped kernel gains from larger calls; its temporaries per sample are below the
+        # patches' (no patch matrix is formed), so twice the samples keep them near the budget
+        step = self._chunks(route) * (2 if grouped else 1)
         sq = torch.empty(n, dtype=a.dtype, device=a.device)
         ps = torch.empty(n, *self.shape, dtype=a.dtype, device=a.device) if route == "keep" else None
         for lo in range(0, n, step):
@@ -379,6 +382,11 @@ class ConvPart:
             grads = b[lo:hi].reshape(m * g, c, t)  # (m G, C_out / G, T)
             if route == "input-gram":
                 sq[lo:hi] = self._input_gram_sq(a[lo:hi], grads).view(m, g).sum(1)
+                continue
+            if grouped:
+                out = None if ps is None else ps[lo:hi]
+                per = self._per_sample_grouped(a[lo:hi], b[lo:hi], out)
+                sq[lo:hi] = _sq(per.view(m, -1))
                 continue
             cols = unfold(a[lo:hi], self.kernel, self.stride, self.padding, self.dilation)
             cols = cols.reshape(m * g, k, t)  # (m G, C_in k / G, T) patches
@@ -392,6 +400,45 @@ class ConvPart:
         if ps is not None:  # the sum needs only G: the input and gradient are let go now
             self._ps, self.a, self.b = ps, None, None  # type: ignore[assignment]
         return sq
+
+    def _grouped(self, a: torch.Tensor) -> bool:
+        """Whether ``G_i`` is formed by one grouped convolution (:meth:`_per_sample_grouped`)
+        rather than from the patches (a strided copy of ``C_in k T`` values per sample, then a
+        batched matmul): in float32 on the CPU with oneDNN, for 2-d kernels, where the patches are
+        large (``T >= 128`` positions and ``C_in k / groups >= 64``), which is where the copy
+        dominates. Measured with one thread (``benchmarks/bench_dpsgd.py``, interleaved, loaded
+        machine): the cifar10 CNN's second convolution's gradients about 1.4x faster (step 1.34x
+        -> 1.28x plain), the mnist CNN's first a little; slower for the cifar10 CNN's first
+        (``C_in k = 27``) and for few positions (``T = 25, 64``), so those keep the patches."""
+        t, k, _ = self._dims()
+        return (
+            a.dtype == torch.float32
+            and a.device.type == "cpu"
+            and len(self.kernel) == 2
+            and t >= 128
+            and k >= 64
+            and torch.backends.mkldnn.is_available()
+            and bool(torch.backends.mkldnn.enabled)  # else a per-group loop: far slower
+        )
+
+    def _per_sample_grouped(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """``G_i`` for a chunk of samples as one weight-gradient convolution with the samples as
+        groups: the batch folded into the channels, ``groups`` times the chunk size."""
+        m, nd = a.shape[0], len(self.kernel)
+        s = torch.ops.aten.convolution_backward(
+            b.reshape(1, -1, *b.shape[2:]),
+            a.reshape(1, -1, *a.shape[2:]),
+            b.new_empty(1).expand(m * self.shape[0], *self.shape[1:]),
+            None,
+            self.stride,
+            self.padding,
+            self.dilation,
+            False,
+            (0,) * nd,
+            m * self.groups,
+            (False, True, False),
+        )[1].view(m, *self.shape)
+        return s if out is None else out.copy_(s)
 
     def _input_gram_sq(self, a: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
         """``<A^T A, B^T B>`` per (sample, group) with ``A^T A`` from the padded input's Gram
