@@ -12,6 +12,7 @@ from gaussdp.errors import InvalidParameter
 __all__ = [
     "SetOnce",
     "check_choice",
+    "check_counts",
     "check_delta",
     "check_epsilon",
     "check_nonnegative",
@@ -103,3 +104,14 @@ class SetOnce:
                 "make a new one"
             )
         object.__setattr__(self, name, value)
+
+
+def check_counts(**named: Any) -> None:
+    """Each keyword's value must be an int >= 1 (not a bool): sizes, steps, counts.
+
+    Raises:
+        InvalidParameter: naming the first argument that is not, with its value.
+    """
+    for name, value in named.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidParameter(f"{name} must be an integer >= 1, got {name}={value!r}")

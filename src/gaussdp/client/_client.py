@@ -7,7 +7,7 @@ import functools
 import json
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -138,15 +138,17 @@ class GaussDPClient(FinetuneCalls):
         json_body: dict[str, Any] | None = None,
         params: dict[str, Any] | None = None,
         retry: bool | None = None,
-        content: bytes | None = None,
+        content: bytes | Iterator[bytes] | None = None,
         content_type: str = "application/octet-stream",
+        content_length: int | None = None,
     ) -> Any:
         """One call to the service, with retries; returns the decoded JSON answer.
 
         Args:
             retry: whether the call may be repeated (default: for GET, and for a body with an
                 ``idempotency_key``). Any new route goes through here (e.g. CKKS routes).
-            content: a raw body instead of ``json_body`` (sent as ``content_type``).
+            content: a raw body instead of ``json_body`` (sent as ``content_type``): bytes, or an
+                iterator of chunks streamed with ``content_length`` (never retried: it is consumed).
 
         Raises:
             ServiceError: a subclass per refusal (:class:`BudgetExhausted`, :class:`NotFound`,
@@ -154,14 +156,17 @@ class GaussDPClient(FinetuneCalls):
         """
         if retry is None:
             retry = method.upper() == "GET" or bool(json_body and json_body.get("idempotency_key"))
+        if content is not None and not isinstance(content, bytes):
+            retry = False
         attempts = 1 + (self.retries if retry else 0)
         for attempt in range(attempts):
             last = attempt == attempts - 1
             try:
                 if content is not None:
-                    r = self._http.request(
-                        method, path, content=content, params=params, headers={"Content-Type": content_type}
-                    )
+                    headers = {"Content-Type": content_type}
+                    if content_length is not None:
+                        headers["Content-Length"] = str(content_length)
+                    r = self._http.request(method, path, content=content, params=params, headers=headers)
                 else:
                     r = self._http.request(method, path, json=json_body, params=params)
             except httpx.TransportError as exc:
@@ -312,17 +317,7 @@ class GaussDPClient(FinetuneCalls):
             "idempotency_key": idempotency_key or _new_key(),
         }
         d = self.request("POST", f"/v1/sessions/{session_id}/lora-delta", json_body=body)
-        return LoraDelta(
-            _from_b64(d["delta_b64"]).reshape(int(d["rows"]), int(d["d_out"])),
-            int(d["rows"]),
-            str(d["adapter"]),
-            str(d["neighbouring"]),
-            float(d["sensitivity"]),
-            float(d["noise_multiplier"]),
-            int(d["charge_id"]),
-            Privacy.of(d["spent"]),
-            Privacy.of(d["remaining"]),
-        )
+        return LoraDelta.of(_from_b64(d["delta_b64"]).reshape(int(d["rows"]), int(d["d_out"])), d)
 
     def upload_ckks_context(self, session_id: str, keys: Any) -> str:
         """Send ``keys.public_context()`` (a :class:`gaussdp.inference.ckks.CKKSClient`: parameters
@@ -384,17 +379,7 @@ class GaussDPClient(FinetuneCalls):
                     raise
                 self.upload_ckks_context(session_id, keys)
         delta = keys.decrypt_delta(base64.b64decode(d["ciphertext_b64"]), rows=int(d["rows"]))
-        return LoraDelta(
-            delta,
-            int(d["rows"]),
-            str(d["adapter"]),
-            str(d["neighbouring"]),
-            float(d["sensitivity"]),
-            float(d["noise_multiplier"]),
-            int(d["charge_id"]),
-            Privacy.of(d["spent"]),
-            Privacy.of(d["remaining"]),
-        )
+        return LoraDelta.of(delta, d)
 
     def split_lora_delta(
         self,

@@ -16,11 +16,11 @@ import time
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from gaussdp.client._errors import ConnectionFailed, error_for
+from gaussdp.client._errors import error_for
 from gaussdp.client._types import Corpus, FinetuneJob
 
 __all__ = ["FinetuneCalls"]
@@ -54,8 +54,9 @@ class FinetuneCalls:
             json_body: dict[str, Any] | None = None,
             params: dict[str, Any] | None = None,
             retry: bool | None = None,
-            content: bytes | None = None,
+            content: bytes | Iterator[bytes] | None = None,
             content_type: str = "application/octet-stream",
+            content_length: int | None = None,
         ) -> Any: ...
 
     # ------------------------------------------------------------------ corpora and models
@@ -84,30 +85,24 @@ class FinetuneCalls:
                 params[key] = value
         if vocabulary is not None:
             params["vocabulary"] = vocabulary
-        handle: IO[bytes] | None = None
-        try:
-            if isinstance(corpus, bytes):
-                body: bytes | Iterator[bytes] = corpus
-                size = len(corpus)
-            else:
-                handle = open(corpus, "rb")
-                size = os.fstat(handle.fileno()).st_size
-                body = iter(lambda: handle.read(_CHUNK), b"")
-            try:
-                r = self._http.post(
-                    "/v1/corpora",
-                    params=params,
-                    content=body,
-                    headers={"Content-Type": "text/plain; charset=utf-8", "Content-Length": str(size)},
-                )
-            except httpx.TransportError as exc:
-                raise ConnectionFailed(f"POST /v1/corpora: {type(exc).__name__}: {exc}") from exc
-        finally:
-            if handle is not None:
-                handle.close()
-        if not r.is_success:
-            raise error_for(r.status_code, _decoded(r))
-        return Corpus.of(r.json())
+        content_type = "text/plain; charset=utf-8"
+        if isinstance(corpus, bytes):
+            answer = self.request(
+                "POST", "/v1/corpora", params=params, content=corpus, content_type=content_type, retry=False
+            )
+            return Corpus.of(answer)
+        with open(corpus, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            chunks = iter(lambda: handle.read(_CHUNK), b"")  # streamed: never read whole
+            answer = self.request(
+                "POST",
+                "/v1/corpora",
+                params=params,
+                content=chunks,
+                content_type=content_type,
+                content_length=size,
+            )
+        return Corpus.of(answer)
 
     def list_corpora(self) -> list[Corpus]:
         return [Corpus.of(c) for c in self.request("GET", "/v1/corpora")]

@@ -114,6 +114,21 @@ class LoraDelta:
     spent: Privacy
     remaining: Privacy
 
+    @classmethod
+    def of(cls, delta: np.ndarray, d: dict[str, Any]) -> LoraDelta:
+        """From the decoded (or decrypted) ``delta`` and the rest of the service's answer."""
+        return cls(
+            delta,
+            int(d["rows"]),
+            str(d["adapter"]),
+            str(d["neighbouring"]),
+            float(d["sensitivity"]),
+            float(d["noise_multiplier"]),
+            int(d["charge_id"]),
+            Privacy.of(d["spent"]),
+            Privacy.of(d["remaining"]),
+        )
+
 
 @dataclass(frozen=True)
 class Token:

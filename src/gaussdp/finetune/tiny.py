@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gaussdp._validate import check_counts
 from gaussdp.errors import InvalidParameter
 
 __all__ = ["tiny_causal_lm"]
@@ -40,16 +41,10 @@ def tiny_causal_lm(
 
     from gaussdp.inference.tiny_lm import build_tokenizer, corpus_documents, held_out_split, train_tiny_lm
 
-    for name, v in (
-        ("vocab_size", vocab_size),
-        ("n_embd", n_embd),
-        ("n_layer", n_layer),
-        ("n_head", n_head),
-        ("n_positions", n_positions),
-        ("train_steps", train_steps),
-    ):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise InvalidParameter(f"{name} must be an int >= 1, got {name}={v!r}")
+    check_counts(
+        vocab_size=vocab_size, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+        n_positions=n_positions, train_steps=train_steps,
+    )  # fmt: skip
     if n_embd % n_head:
         raise InvalidParameter(f"n_embd must be a multiple of n_head, got n_embd={n_embd}, n_head={n_head}")
     out = Path(out_dir)

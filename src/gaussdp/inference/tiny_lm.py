@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gaussdp._validate import check_counts
 from gaussdp.errors import InvalidParameter
 
 __all__ = [
@@ -200,14 +201,7 @@ def train_tiny_lm(
     """
     import torch
 
-    for name, v in (
-        ("vocab_size", vocab_size),
-        ("steps", steps),
-        ("seq_len", seq_len),
-        ("batch_size", batch_size),
-    ):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise InvalidParameter(f"{name} must be an integer >= 1, got {name}={v!r}")
+    check_counts(vocab_size=vocab_size, steps=steps, seq_len=seq_len, batch_size=batch_size)
     threads = torch.get_num_threads()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
