@@ -2,7 +2,7 @@
 
 1. Forward pass of a small GPT-2 (4 layers, d=256, 64 tokens) clean (the reference) and with a
    HiddenStatePrivatizer hooked on its last block (secure float-safe noise, and "fast" noise).
-2. The LoRA delta ``scaling * B @ (A @ h)`` of one token at d=1536, rank 32 (document 000): plain
+2. The LoRA delta ``scaling * B @ (A @ h)`` of one token at d=1536, rank 32 (the inference server): plain
    numpy float64 (the reference), CKKS today's way (:class:`CKKSLoRABackend`: one process holds the
    keys, 32 ``dot`` products on the ciphertext, ``B`` applied in the clear), and CKKS packed across
    the wire (:mod:`gaussdp.inference.ckks`: the client keeps the secret key, the server computes the

@@ -1,6 +1,6 @@
 """Nearest-word search for text perturbation: gaussdp exact search vs faiss IndexFlatL2 vs numpy argmin.
 
-100,000 words perturbed (Gaussian, sigma 0.1 as in document 002) over a random 100,000 x 50 float32
+100,000 words perturbed (Gaussian, sigma 0.1 as in text perturbation) over a random 100,000 x 50 float32
 vocabulary in [-1, 1]; words/s for each search on the same noisy vectors, in the same process.
 gaussdp and faiss run interleaved on the same chunks of queries (so that a busy machine slows both
 alike), ``--repeats`` times; the medians are compared. Two thread settings:

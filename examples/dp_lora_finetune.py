@@ -1,4 +1,4 @@
-"""Document 002's central DP: fine-tune only the LoRA adapters of a small causal LM with DP-SGD.
+"""The fine-tuning service's central DP: fine-tune only the LoRA adapters of a small causal LM with DP-SGD.
 
 A GPT-2-shaped model is built from a config (2 layers, width 64: no download), wrapped with peft
 LoRA adapters (r=8) on its attention projections; the base model stays frozen, so only the adapters

@@ -7,7 +7,7 @@ move anywhere in the C-ball, so the row's L2 sensitivity is ``2C``. A request's 
 present (the server sees how many it receives), so "add or remove a row" (the zero vector against a
 state, sensitivity ``C``) does not describe what a client wants hidden: what the text was. The
 alternative ``"add-remove"`` stays available where a caller states it explicitly, at half the noise
-for the same epsilon (document 000's ``Delta_f = 1`` for a clip of 1).
+for the same epsilon (the private inference server's ``Delta_f = 1`` for a clip of 1).
 
 Every surface defaults to :data:`DEFAULT_HIDDEN_STATE_NEIGHBOURING` and names the relation it used
 in its answer, so a client that calibrates ``sigma`` for an epsilon with the default is charged

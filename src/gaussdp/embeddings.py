@@ -1,4 +1,4 @@
-"""Sanitize embeddings with the Gaussian mechanism: document 003's API, and streaming over files.
+"""Sanitize embeddings with the Gaussian mechanism: the anomaly detector's API, and streaming over files.
 
 The flow is the library's: **clip each row to L2 norm ``C``, add Gaussian noise calibrated to
 ``(epsilon, delta)`` with sensitivity ``C``, release.** Clipping comes from :mod:`gaussdp.clipping`,
@@ -8,8 +8,8 @@ here.
 What the guarantee covers. Every row is one individual's embedding, and the released matrix is each
 row clipped and noised independently. The neighbouring relation is **add/remove of one row**, with
 an absent individual's row counting as the zero vector (the number of rows is treated as public,
-as it is in document 003, which ships coresets of a known size). One row moves the output by at
-most ``C`` in L2 norm, so the sensitivity is ``C`` and each release is ``(epsilon, delta)``-DP for
+as it is in the federated anomaly detector, which ships coresets of a known size). One row moves the output by
+at most ``C`` in L2 norm, so the sensitivity is ``C`` and each release is ``(epsilon, delta)``-DP for
 every individual. If instead one individual's row may be *replaced* by another one (the neighbouring
 relation of a data owner who contributes exactly one row either way), two rows in the ``C``-ball
 differ by up to ``2C``: the same noise then gives the larger epsilon reported as
@@ -17,7 +17,7 @@ differ by up to ``2C``: the same noise then gives the larger epsilon reported as
 individuals again (another call, another round) composes: charge every release to an accountant
 or a :class:`gaussdp.budget.Ledger` with the mechanism's ``event``.
 
-Where document 003 is wrong, and what gaussdp does instead:
+Where the federated anomaly detector is wrong, and what gaussdp does instead:
 
 * It calibrates with the classical ``sigma = C sqrt(2 ln(1.25/delta)) / epsilon``, a theorem only
   for epsilon < 1 (and one that under-delivers above epsilon of about 8.4 at delta=1e-5). gaussdp
@@ -64,8 +64,8 @@ __all__ = [
     "sanitize_npy",
 ]
 
-# Document 003's accepted range for epsilon: below 0.1 the noise drowns the embeddings, above 10 the
-# guarantee means little. Kept for compatibility with its configurations.
+# The federated anomaly detector's accepted range for epsilon: below 0.1 the noise drowns the embeddings,
+# above 10 the guarantee means little. Kept for compatibility with its configurations.
 _DOC_EPSILON_RANGE = (0.1, 10.0)
 
 
@@ -78,10 +78,10 @@ def _check_doc_epsilon(value: Any) -> float:
 
 
 class GaussianMechanism(_mechanism.GaussianMechanism):
-    """Document 003's ``GaussianMechanism(epsilon, delta, sensitivity)``, exactly calibrated.
+    """The anomaly detector's ``GaussianMechanism(epsilon, delta, sensitivity)``, exactly calibrated.
 
-    A thin face over :class:`gaussdp.mechanism.GaussianMechanism` with document 003's positional
-    signature and validation (epsilon in [0.1, 10], delta in (0, 1), sensitivity > 0) and its
+    A thin face over :class:`gaussdp.mechanism.GaussianMechanism` with the federated anomaly detector's
+    positional signature and validation (epsilon in [0.1, 10], delta in (0, 1), sensitivity > 0) and its
     ``add_noise(data, seed=None)``, which keeps the input's dtype. ``sigma`` is the exact
     (analytic) one, not the document's classical formula. Adding ``N(0, sigma^2)`` to a query of
     L2 sensitivity ``sensitivity`` is ``(epsilon, delta)``-DP for the neighbouring relation the
@@ -138,7 +138,7 @@ class GaussianMechanism(_mechanism.GaussianMechanism):
 
 @dataclass(frozen=True)
 class DPConfig:
-    """Document 003's differential-privacy configuration of the embedding sanitizer.
+    """The federated anomaly detector's differential-privacy configuration of the embedding sanitizer.
 
     Validated only when ``enabled`` (as in the document): epsilon in [0.1, 10], delta in (0, 1),
     clipping_norm > 0. Frozen, so the clipping norm cannot change after the mechanism was
@@ -190,7 +190,7 @@ class DPConfig:
 
 
 class EmbeddingSanitizer(SetOnce):
-    """Document 003's sanitizer: clip every row to ``clipping_norm``, then add Gaussian noise.
+    """The anomaly detector's sanitizer: clip every row to ``clipping_norm``, then add Gaussian noise.
 
     Each row of the matrix passed to :meth:`sanitize` is one individual's embedding. Under
     add/remove of one row (an absent row counting as zero, the number of rows public) the
@@ -313,7 +313,7 @@ class EmbeddingSanitizer(SetOnce):
         return sanitized
 
     def get_stats(self) -> dict[str, Any]:
-        """Document 003's five counters (averages are over every row sanitized so far)."""
+        """The federated anomaly detector's five counters (averages are over every row sanitized so far)."""
         return dict(self._stats)
 
 

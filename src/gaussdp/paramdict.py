@@ -1,4 +1,4 @@
-"""Document 004's parameter-dict privatizer: ``GaussianDifferentialPrivacy(clip_norm, seed)``.
+"""Federated learning's parameter-dict privatizer: ``GaussianDifferentialPrivacy(clip_norm, seed)``.
 
 ``apply_privacy(params, epsilon, delta)`` clips the global L2 norm of a dict of arrays (numpy
 arrays or torch tensors) to ``clip_norm`` and adds ``N(0, sigma^2)`` to every entry, ``sigma``
@@ -6,8 +6,8 @@ calibrated exactly (Balle & Wang 2018) for ``(epsilon, delta)`` at sensitivity `
 flow is clip (:func:`gaussdp.clipping.clip_tree`) -> charge -> noise
 (:class:`gaussdp.mechanism.GaussianMechanism`) -> release; nothing is re-implemented here.
 
-**Parameters vs updates.** Document 004 clips *the model parameters themselves*. That is what
-``apply_privacy(params, epsilon, delta)`` does when called without ``reference``, and it is rarely
+**Parameters vs updates.** The federated parameter-dict API clips *the model parameters themselves*. That is
+what ``apply_privacy(params, epsilon, delta)`` does when called without ``reference``, and it is rarely
 what federated learning needs: a trained model's parameters have a large norm, so clipping them
 to ``clip_norm`` destroys the model, and the quantity one client contributes to the aggregate is
 its *update* (local model minus the global model it started from). Pass
@@ -16,19 +16,19 @@ its *update* (local model minus the global model it started from). Pass
 
 **What the guarantee covers.** The clipped dict moves by at most ``clip_norm`` in L2 norm when
 the contribution is added to or removed from an aggregate (an absent contribution counts as zero):
-sensitivity ``clip_norm``, which is what document 004 assumes ("worst-case parameter change"),
-and each call is then ``(epsilon, delta)``-DP. If one contribution may instead be *replaced* by
+sensitivity ``clip_norm``, which is what the federated parameter-dict API assumes ("worst-case parameter
+change"), and each call is then ``(epsilon, delta)``-DP. If one contribution may instead be *replaced* by
 another, two dicts in the ``clip_norm``-ball differ by up to ``2 * clip_norm``: the same call is
 then ``(epsilon', delta)``-DP with the larger ``epsilon'`` returned by
 :meth:`GaussianDifferentialPrivacy.epsilon_replace`.
 
-**Budget.** ``privacy_budget_consumed`` is document 004's basic composition (the sum of the
-epsilons of every call since the last reset; deltas add up in ``delta_consumed``). It is a valid
+**Budget.** ``privacy_budget_consumed`` is the federated parameter-dict API's basic composition (the sum of
+the epsilons of every call since the last reset; deltas add up in ``delta_consumed``). It is a valid
 upper bound but a loose one; :meth:`GaussianDifferentialPrivacy.privacy_spent` composes the same
 releases with the tight accountant of :mod:`gaussdp.accounting`.
 
-**Seeds.** Document 004 offers a random seed for reproducibility. A seeded privatizer warns
-:class:`gaussdp.errors.NotPrivateWarning` and marks itself ``private=False``: anyone who knows
+**Seeds.** The federated parameter-dict API offers a random seed for reproducibility. A seeded privatizer
+warns :class:`gaussdp.errors.NotPrivateWarning` and marks itself ``private=False``: anyone who knows
 the seed can subtract the noise.
 
 References:
@@ -135,7 +135,7 @@ def add_noise_to_tree(mech: Any, tree: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class GaussianDifferentialPrivacy:
-    """Document 004's Gaussian DP for a dict of parameter arrays (numpy arrays or torch tensors).
+    """Gaussian DP for a federated client's dict of parameter arrays (numpy arrays or torch tensors).
 
     Args:
         clip_norm: global L2 bound of the clipped dict (the sensitivity), > 0. Default 1.0.
@@ -169,7 +169,7 @@ class GaussianDifferentialPrivacy:
                 stacklevel=2,
             )
 
-    # -- document 004's accessors ------------------------------------------------------------------
+    # -- the federated parameter-dict API's accessors --------------------------------------------------------
     @property
     def clip_norm(self) -> float:
         """The global L2 clipping norm (the sensitivity bound)."""
@@ -243,7 +243,7 @@ class GaussianDifferentialPrivacy:
     ) -> dict[str, Any]:
         """Clip the global L2 norm to ``clip_norm``, add calibrated Gaussian noise, charge the budget.
 
-        Without ``reference`` the parameters themselves are clipped (document 004). With
+        Without ``reference`` the parameters themselves are clipped (the federated parameter-dict API). With
         ``reference`` (the global model the update started from) the *update*
         ``params - reference`` is clipped and noised and ``reference + noisy update`` returned:
         what federated learning needs.
@@ -288,9 +288,9 @@ class GaussianDifferentialPrivacy:
             noisy = {k: base[k] + noisy[k] for k in noisy}
         return noisy
 
-    # -- document 004's CamelCase names ------------------------------------------------------------
+    # -- the federated parameter-dict API's CamelCase names --------------------------------------------------
     def ApplyPrivacy(self, model: Mapping[str, Any], epsilon: float, delta: float) -> dict[str, Any]:
-        """Alias of :meth:`apply_privacy` (document 004's name)."""
+        """Alias of :meth:`apply_privacy` (the federated parameter-dict API's name)."""
         return self.apply_privacy(model, epsilon, delta)
 
     def GetPrivacyBudgetConsumed(self) -> float:

@@ -1,17 +1,17 @@
-"""Framework-free DP-SGD on numpy gradients: document 001's ``PrivacyManager`` and ``DPSGDTrainer``.
+"""Framework-free DP-SGD on numpy gradients: a DP-SGD ``PrivacyManager`` and ``DPSGDTrainer``.
 
 The flow of every step is the library's: **clip** (:mod:`gaussdp.clipping`) -> **charge** one
 step to the run's accountant -> **noise** (:class:`gaussdp.mechanism.GaussianMechanism`) ->
 release. Gradients are numpy arrays or dicts of numpy arrays; the L2 norm is taken over all of
 them together.
 
-Calibration, unlike document 001. Document 001 splits its budget as ``epsilon / sqrt(T)`` per
-round and calls that "advanced composition": by the theorem that split does not keep the total
-under ``epsilon``. Here the whole run is fixed up front (``num_rounds`` noisy steps, each on a
+Calibration, unlike the original DP-SGD privacy manager, which splits its budget as
+``epsilon / sqrt(T)`` per round and calls that "advanced composition": by the theorem that split does not keep
+the total under ``epsilon``. Here the whole run is fixed up front (``num_rounds`` noisy steps, each on a
 Poisson sample with probability ``sample_rate``) and the noise multiplier is the smallest one for
 which the tight accountant (``accountant="pld"``, privacy loss distributions) certifies the whole
-run at ``(epsilon, delta)`` (:func:`gaussdp.accounting.noise_for_epsilon`, through document 001's
-run budget :class:`gaussdp.accounting.documents.PrivacyBudget`, the manager's ``privacy_budget``).
+run at ``(epsilon, delta)`` (:func:`gaussdp.accounting.noise_for_epsilon`, through the DP-SGD privacy
+manager's run budget :class:`gaussdp.accounting.documents.PrivacyBudget`, the manager's ``privacy_budget``).
 After ``num_rounds`` steps the manager refuses further releases with
 :class:`gaussdp.errors.BudgetExhausted` (nothing is noised or released), and
 :meth:`PrivacyManager.get_privacy_status` reports the accountant's epsilon of the steps taken.
@@ -23,7 +23,7 @@ What one step protects (neighbouring relation: add/remove of one record):
   ``clip_norm``), noised, and divided by ``expected_batch_size`` (or by the batch size when none
   was given: only a post-processing if the batch size is public, i.e. not with Poisson sampling).
   A record is one example.
-* ``per_example=False`` (document 001's use, e.g. one client's update in federated learning):
+* ``per_example=False`` (the DP-SGD privacy manager's use, e.g. one client's update in federated learning):
   the whole gradient is one contribution, clipped to ``clip_norm`` and noised. A record is that
   contribution (one client); ``sample_rate`` is then the client sampling rate.
 
@@ -69,7 +69,7 @@ __all__ = [
 
 Gradients = Any  # a numpy array, or a dict name -> numpy array
 
-# Keys of document 001's ``privacy:`` YAML block, and the ones gaussdp adds.
+# Keys of the DP-SGD privacy manager's ``privacy:`` YAML block, and the ones gaussdp adds.
 _YAML_KEYS = {
     "use_differential_privacy",
     "epsilon",
@@ -124,7 +124,7 @@ def _float_from_config(name: str, value: Any) -> Any:
 
 
 class PrivacyManager(SetOnce):
-    """Document 001's DP-SGD privacy manager, calibrated so the whole run is ``(epsilon, delta)``-DP.
+    """The DP-SGD privacy manager, calibrated so the whole run is ``(epsilon, delta)``-DP.
 
     Args:
         epsilon, delta: the guarantee of the *whole run* of ``num_rounds`` steps (add/remove of
@@ -176,7 +176,7 @@ class PrivacyManager(SetOnce):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
             raise TypeError(f"seed must be an int or None, got seed={seed!r}")
         self.accountant_name = accountant
-        # Document 001's run budget (gaussdp.accounting): the smallest noise multiplier whose
+        # The DP-SGD privacy manager's run budget (gaussdp.accounting): the smallest noise multiplier whose
         # num_rounds (sub)sampled Gaussian steps compose to (epsilon, delta) under the accountant,
         # and a round counter that refuses step num_rounds + 1.
         self.privacy_budget = PrivacyBudget(
@@ -216,11 +216,11 @@ class PrivacyManager(SetOnce):
     # -- configuration -----------------------------------------------------------------------------
     @classmethod
     def from_config(cls, config: Mapping[str, Any], **overrides: Any) -> PrivacyManager | None:
-        """Build from document 001's ``privacy:`` block (or a mapping holding one).
+        """Build from the DP-SGD privacy manager's ``privacy:`` block (or a mapping holding one).
 
         Keys: ``use_differential_privacy`` (False -> returns None), ``epsilon``, ``delta``,
         ``clip_norm``, ``num_rounds``, ``sample_rate``, ``expected_batch_size``, ``accountant``,
-        ``noise``, and document 001's ``composition`` ("basic" or "advanced"), which is recorded
+        ``noise``, and the DP-SGD privacy manager's ``composition`` ("basic" or "advanced"), which is recorded
         but not used: every accountant gives a valid bound for the same noise, and calibrating with
         the tight one (``accountant``, default "pld") gives the same guarantee with less noise.
         Unknown keys are refused (a misspelt epsilon must not fall back to a default).
@@ -261,7 +261,7 @@ class PrivacyManager(SetOnce):
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], **overrides: Any) -> PrivacyManager | None:
-        """Build from a YAML file with document 001's ``privacy:`` block (needs pyyaml)."""
+        """Build from a YAML file with the DP-SGD privacy manager's ``privacy:`` block (needs pyyaml)."""
         try:
             import yaml
         except ImportError:  # pragma: no cover - depends on the environment
@@ -400,7 +400,7 @@ class PrivacyManager(SetOnce):
         return float(acct.epsilon(self.delta))
 
     def get_privacy_status(self) -> dict[str, Any]:
-        """Document 001's status dict: the run budget's figures plus clipping and noise."""
+        """The DP-SGD privacy manager's status dict: the run budget's figures plus clipping and noise."""
         status = dict(self.privacy_budget.get_status())
         status.update(
             clip_norm=self.clip_norm,
@@ -414,7 +414,7 @@ class PrivacyManager(SetOnce):
 
 
 class DPSGDTrainer:
-    """Document 001's training wrapper: one :meth:`clip_and_noise_gradients` call per step.
+    """The DP-SGD privacy manager's training wrapper: one :meth:`clip_and_noise_gradients` call per step.
 
     Args:
         privacy_manager: the :class:`PrivacyManager` of the run.

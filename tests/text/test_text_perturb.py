@@ -143,7 +143,7 @@ def test_text_demo_section_runs(tmp_path):
     console = Console(record=True, width=120)
     demo(console, tmp_path)
     text = console.export_text()
-    assert "document 002 claims" in text and "plausible deniability" in text
+    assert "often-claimed epsilon ~96.9" in text and "plausible deniability" in text
     assert (tmp_path / "text_perturbed.txt").exists()
     assert np.isfinite(len(text))
 

@@ -1,6 +1,6 @@
-"""The DP-SGD privacy manager's accounting API (document 001), with correct math.
+"""The DP-SGD privacy manager's accounting API, with correct math.
 
-* Document 001 (DP-SGD privacy manager): :class:`PrivacyParams`, :class:`PrivacyBudget` and the
+* The DP-SGD privacy manager: :class:`PrivacyParams`, :class:`PrivacyBudget` and the
   helpers. Its per-round split ``epsilon_round = epsilon / sqrt(T)`` is *not* what the advanced
   composition theorem gives; here the per-round noise is chosen with an accountant so that the
   ``num_rounds`` rounds provably stay within (epsilon, delta).
@@ -50,7 +50,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-# ----- document 001 ----------------------------------------------------------------------------
+# ----- the DP-SGD privacy manager ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PrivacyParams:
     """Privacy parameters of a training run: total (epsilon, delta) and the L2 clip norm."""
@@ -220,7 +220,8 @@ def advanced_composition_epsilon(epsilon_round: float, num_rounds: int, delta_pr
     """Total epsilon of ``num_rounds`` (epsilon_round, delta_round)-DP rounds by advanced composition.
 
     ``sqrt(2 k ln(1/delta')) eps + k eps (e^eps - 1)`` (Dwork & Roth 2014, Theorem 3.20); the total
-    delta is ``k delta_round + delta'``. Document 001 printed ``2 sqrt(k ln(1/delta')) eps + k (e^eps
+    delta is ``k delta_round + delta'``. The DP-SGD privacy manager printed
+    ``2 sqrt(k ln(1/delta')) eps + k (e^eps
     - 1)``, which is not the theorem.
 
     >>> round(advanced_composition_epsilon(0.1, 100, 1e-5), 4)

@@ -1,13 +1,14 @@
-"""A ledger behind the source documents' in-memory trackers, so that their spends persist.
+"""A ledger behind the original in-memory trackers, so that their spends persist.
 
-Document 000's ``PrivacyBudgetTracker`` (``consume(epsilon, session_id) -> (ok, state)``) and document
-003's ``PrivacyAccountant`` (``record_expenditure(epsilon, delta, round_num)``) keep spends in a
-Python list. :class:`SessionLedger` gives them one budget per session on a durable
+The private inference server's ``PrivacyBudgetTracker``
+(``consume(epsilon, session_id) -> (ok, state)``) and the federated anomaly detector's
+``PrivacyAccountant`` (``record_expenditure(epsilon, delta, round_num)``) keep spends in a Python
+list. :class:`SessionLedger` gives them one budget per session on a durable
 :class:`~gaussdp.budget.Ledger` instead: charges are atomic across threads and processes, survive
 restarts, and refuse (``policy="refuse"``) instead of warning after the fact.
 
-With ``accountant="advanced"`` and ``(epsilon, 0)`` spends (document 000's queries), the ledger's
-decision is the tracker's own rule: the composed epsilon is ``min(basic, advanced)`` with
+With ``accountant="advanced"`` and ``(epsilon, 0)`` spends (the private inference server's queries), the
+ledger's decision is the tracker's own rule: the composed epsilon is ``min(basic, advanced)`` with
 ``delta' = budget.delta`` (:class:`gaussdp.accounting.AdvancedComposition`).
 """
 
@@ -28,9 +29,9 @@ class SessionLedger:
 
     Args:
         ledger: where the spends live (``Ledger("sqlite:///...")`` for persistence).
-        budget: every session's budget (document 000: ``Budget(max_epsilon, delta)``).
-        accountant: how a session's spends compose (``"advanced"`` matches document 000's tracker;
-            ``"pld"`` is tighter for Gaussian events such as ``mechanism.event``).
+        budget: every session's budget (the private inference server: ``Budget(max_epsilon, delta)``).
+        accountant: how a session's spends compose (``"advanced"`` matches the private inference server's
+            tracker; ``"pld"`` is tighter for Gaussian events such as ``mechanism.event``).
         prefix: namespace of this tracker's sessions in a shared ledger.
     """
 

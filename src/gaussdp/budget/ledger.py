@@ -97,9 +97,9 @@ class Ledger:
     Args:
         url: ``"memory://"`` (in-process), ``"sqlite:///path.db"`` (embedded, WAL) or
             ``"postgresql://..."`` (needs ``psycopg`` and ``psycopg_pool``).
-        policy: ``"refuse"`` (default) raises on exhaustion. ``"warn"`` is document 000's behaviour: the
-            charge is recorded anyway, logged, and a :class:`~gaussdp.errors.PrivacyWarning` is issued;
-            the budget then guarantees nothing. Opt in only to reproduce that document.
+        policy: ``"refuse"`` (default) raises on exhaustion. ``"warn"`` is the private inference server's
+            behaviour: the charge is recorded anyway, logged, and a :class:`~gaussdp.errors.PrivacyWarning` is
+            issued; the budget then guarantees nothing. Opt in only to reproduce that document.
         store: an already opened store (instead of ``url``), e.g. shared by several ledgers.
         cache_size: entries of the epsilon, allowance and box caches.
 

@@ -1,9 +1,9 @@
 """The ledger-backed privacy trackers of the federated anomaly detector and the inference server.
 
-* Document 003 (federated anomaly detector): :class:`PrivacyAccountant`, basic composition by
-  default as documented, with an ``accountant=`` option for tighter totals.
-* Document 000 (inference server): :class:`PrivacyBudgetTracker`, per-session advanced composition;
-  it refuses a spend that would exceed the budget (the document only warned; ``policy="warn"``
+* The federated anomaly detector: :class:`PrivacyAccountant`, basic composition by default as documented, with
+  an ``accountant=`` option for tighter totals.
+* The private inference server: :class:`PrivacyBudgetTracker`, per-session advanced composition; it
+  refuses a spend that would exceed the budget (the original design only warned; ``policy="warn"``
   keeps that behaviour as an explicit opt-in).
 
 Both can take a durable ledger (``ledger=``, a :class:`gaussdp.budget.Ledger` or its URL such as
@@ -72,7 +72,7 @@ def _as_ledger(ledger: object, policy: Literal["refuse", "warn"] | None = None) 
     return ledger, False
 
 
-# ----- document 003 ----------------------------------------------------------------------------
+# ----- the federated anomaly detector -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class PrivacyExpenditure:
     """One recorded spend: (epsilon, delta) in a round, optionally the event that spent it."""
@@ -316,7 +316,7 @@ class PrivacyAccountant:
         }
 
 
-# ----- document 000 ----------------------------------------------------------------------------
+# ----- the private inference server -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BudgetState:
     """A session's spent privacy: ``total_epsilon`` at ``total_delta`` after ``num_queries``."""
@@ -331,7 +331,7 @@ class BudgetState:
 
 
 class PrivacyBudgetTracker:
-    """Per-session budgets composed by the advanced composition theorem (document 000), refusing.
+    """Per-session budgets composed by the advanced composition theorem (inference server), refusing.
 
     ``consume(epsilon, session_id)`` charges one query that is (epsilon, delta_query)-DP. The
     session's total is ``min(basic, advanced)`` with ``delta' = delta`` (both theorems, so the

@@ -104,7 +104,8 @@ def run_demo(
     sim.run(rounds, callback=on_round)
     # A restarted server on the same ledger URL sees the same rounds and budget.
     resumed = make_server()
-    report = resumed.ledger.report()  # document 003's PrivacyAccountant, from the ledger's records
+    # the federated anomaly detector's PrivacyAccountant report, from the ledger's records
+    report = resumed.ledger.report()
     png = _plot(sim.rounds, out_dir / "federated.png", target_epsilon, delta) if plot else None
     last = sim.rounds[-1] if sim.rounds else None
     return DemoResult(
@@ -165,7 +166,7 @@ def _summary(console: Any, res: DemoResult, budget: float) -> None:
     )
     console.print(
         f"ledger {res.ledger_url}: a restarted server resumes at round {res.resumed_rounds + 1}; "
-        f"document 003's report groups {res.report_rounds} rounds"
+        f"the federated anomaly detector's report groups {res.report_rounds} rounds"
     )
     if res.png is not None:
         console.print(f"plot: {res.png}")

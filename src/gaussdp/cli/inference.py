@@ -53,7 +53,7 @@ def _floats(name: str, text: str) -> list[float]:
 def _print_document_000(console: Any, doc: Any) -> None:
     a, m = doc.analytic, doc.measured
     console.print(
-        "[bold]Document 000's setting[/bold]: d=1536, clip C=1, "
+        "[bold]The private inference server's setting[/bold]: d=1536, clip C=1, "
         "sigma=4.8448 (classical, epsilon=1, delta=1e-5)"
     )
     console.print(

@@ -496,15 +496,14 @@ def demo(console: Any, out_dir: Path) -> None:
             console.print(f"service up at {server.url} (OpenAPI at {server.url}/docs), ledger {db_path}")
             session = http.post("/v1/sessions", json={"epsilon": 10.0, "delta": 1e-5}, headers=h).json()
             sid = session["session_id"]
-            console.print(
-                f"session {sid}: budget epsilon=10, delta=1e-5 (document 000's max_epsilon), PLD accountant"
-            )
+            console.print(f"session {sid}: budget epsilon=10, delta=1e-5 (max_epsilon), PLD accountant")
             rng = np.random.default_rng()
             state = rng.normal(size=1536)
-            state *= 177.5 / np.linalg.norm(state)  # document 000: post-transformer hidden norm ~177.5
+            # the inference server's setting: post-transformer hidden state norm ~177.5
+            state *= 177.5 / np.linalg.norm(state)
             released, last = 0, None
             while True:
-                # document 000's relation (Delta_f = C): stated, since the default is replace-one
+                # the inference server's relation (Delta_f = C): stated, since the default is replace-one
                 r = http.post(
                     f"/v1/sessions/{sid}/hidden-state",
                     json={"hidden_state": state.tolist(), "neighbouring": "add-remove"},
@@ -524,7 +523,7 @@ def demo(console: Any, out_dir: Path) -> None:
             )
             spent = ledger.spent(f"demo-tenant/{sid}").epsilon
             console.print(
-                f"basic composition (document 000's sum) would have stopped at 10 releases; the PLD ledger "
+                f"basic composition (summing epsilons) would have stopped at 10 releases; the PLD ledger "
                 f"allowed {released}, spending epsilon={spent:.4f} <= 10 (an upper bound); a single further "
                 f"release would take it to {_one_more(released):.4f}"
             )

@@ -9,7 +9,10 @@ from typing import Annotated, Any
 
 import typer
 
-_MECHANISM_HELP = "gaussian (document 002), laplace (multivariate), mahalanobis, or tem."
+_MECHANISM_HELP = (
+    "gaussian (word vector plus Gaussian noise, then the nearest word), laplace (multivariate), "
+    "mahalanobis, or tem."
+)
 
 
 # Enumerated options (StrEnum members are str: they pass to the library unchanged).
@@ -211,7 +214,7 @@ def vocab_train(
         Path, typer.Argument(metavar="CORPUS.txt", help="UTF-8 public text, one sentence per line.")
     ],
     output: Annotated[Path, typer.Argument(metavar="VOCAB", help="Output .npz.")],
-    dim: Annotated[int, typer.Option(help="Vector dimension (document 002: 50).")] = 50,
+    dim: Annotated[int, typer.Option(help="Vector dimension (text perturbation: 50).")] = 50,
     min_count: Annotated[int, typer.Option(help="Drop words seen fewer times.")] = 3,
     window: int = 5,
     negative: int = 8,
@@ -319,7 +322,7 @@ def demo(console: Any, out_dir: Path) -> None:
     vocabulary = shipped_vocabulary()
     console.print(f"{vocabulary}: {vocabulary.meta.get('source', '')}")
     console.print(
-        "document 002 claims epsilon ~96.9 per word for sigma=0.1; exact epsilon at its own "
+        "the often-claimed epsilon ~96.9 per word for sigma=0.1 is wrong; exact epsilon at its own "
         f"sensitivity 2: {epsilon_for(sigma=0.1, delta=1e-5, sensitivity=2.0):.1f}, at the true worst case "
         f"2*sqrt(50): {epsilon_for(sigma=0.1, delta=1e-5, sensitivity=vocabulary.box_diameter):.4g}"
     )

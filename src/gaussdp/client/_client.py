@@ -396,7 +396,7 @@ class GaussDPClient(FinetuneCalls):
         ckks: Any = None,
         **model_kwargs: Any,
     ) -> tuple[Any, LoraDelta]:
-        """Split inference (document 000) against this service, the server untrusted.
+        """Split inference against this service, the server untrusted.
 
         Locally :func:`gaussdp.inference.client_forward` (clip, charge ``privatizer``'s own
         accounting, noise: only the noised rows leave), then ``/lora-delta`` with the privatizer's

@@ -2,12 +2,13 @@
 once with calibrated noise and keeps every round in the ledger.
 
 * client side (:mod:`~gaussdp.federated.client`): :func:`clip_update`, :class:`LocalGaussian`
-  (local DP, one ledger principal per client), :func:`sanitize_coreset` (document 003's flow);
+  (local DP, one ledger principal per client), :func:`sanitize_coreset` (the federated anomaly detector's
+  flow);
 * server side (:mod:`~gaussdp.federated.server`): :class:`DPFedAvg` (Poisson client sampling with the
   amplification accounted, fixed denominator, explicit dropout rule), :class:`AdaptiveClipping`
   (Andrew et al. 2021), robust aggregators (:mod:`~gaussdp.federated.robust`);
 * accounting (:mod:`~gaussdp.federated.rounds`): :class:`RoundLedger` (resumable runs,
-  ``would_exceed``), :func:`round_report` (document 003's report grouped by round);
+  ``would_exceed``), :func:`round_report` (the federated anomaly detector's report grouped by round);
 * :class:`FederatedSimulator` (in process, vectorised) and the Flower integration
   (:mod:`gaussdp.federated.flower`, needs the ``federated`` extra; imported on demand).
 

@@ -1,13 +1,14 @@
 """Client side of federated learning: clip the update, optionally noise it locally, sanitize coresets.
 
 * :func:`clip_update` clips the **difference** between the client's locally trained model and the
-  global model it started from (the update), by its global L2 norm over all parameters. Document 004
-  clips the model parameters themselves, which bounds nothing useful: the server averages updates.
+  global model it started from (the update), by its global L2 norm over all parameters. The federated
+  parameter-dict API clips the model parameters themselves, which bounds nothing useful: the server averages
+  updates.
 * :class:`LocalGaussian` is local DP: the client clips and noises its own update, so that nothing it
   sends needs a trusted server. Each client is charged in its **own** ledger principal
   (``"client/<id>"``) before the noisy update leaves it.
-* :func:`sanitize_coreset` is document 003's flow: a client sanitizes its embedding coreset with
-  :class:`gaussdp.embeddings.EmbeddingSanitizer` before sending it, charged first to its principal
+* :func:`sanitize_coreset` is the federated anomaly detector's flow: a client sanitizes its embedding coreset
+  with :class:`gaussdp.embeddings.EmbeddingSanitizer` before sending it, charged first to its principal
   with the round number, so that the server's report groups the spends by round.
 
 Local DP neighbouring relation: the noisy update must hide *any* change of the client's data, i.e.
@@ -220,7 +221,7 @@ def sanitize_coreset(
     budget_delta: float | None = None,
     accountant: str = "pld",
 ) -> np.ndarray:
-    """Document 003's client step: charge the client's principal, then ``sanitizer.sanitize(coreset)``.
+    """The anomaly detector's client step: charge the client, then ``sanitizer.sanitize(coreset)``.
 
     The charge (``sanitizer.event``, keyed by round) is durable before the sanitized coreset exists, so
     the server's :func:`~gaussdp.federated.rounds.round_report` sees every spend grouped by round.
@@ -228,11 +229,12 @@ def sanitize_coreset(
 
     Raises:
         BudgetExhausted: the client's budget would be exceeded; nothing is sanitized or sent.
-        InvalidParameter: the sanitizer is disabled (document 003 would send raw embeddings: refused).
+        InvalidParameter: the sanitizer is disabled (the federated anomaly detector would send raw embeddings:
+            refused).
     """
     if getattr(sanitizer, "mechanism", None) is None:
         raise InvalidParameter(
-            "the sanitizer is disabled (DPConfig(enabled=False)): document 003 would send the raw coreset; "
+            "the sanitizer is disabled (DPConfig(enabled=False)): that would send the raw coreset; "
             "refused (enable DP or do not call sanitize_coreset)"
         )
     if ledger is not None:

@@ -6,7 +6,7 @@ Every charge of a federated run carries the idempotency key ``"<principal>#round
   a second noisy update would not be covered by the one charge);
 * a new server object on the same ledger URL and principal resumes the run: the rounds done and the
   privacy spent are read back from the ledger (``sqlite://`` and ``postgresql://`` persist);
-* document 003's report, grouped by round, is rebuilt from the ledger's own records
+* the federated anomaly detector's report, grouped by round, is rebuilt from the ledger's own records
   (:func:`round_report`), never from a second bookkeeping that could disagree with the ledger.
 """
 
@@ -127,12 +127,12 @@ class RoundLedger:
         return receipt
 
     def report(self) -> dict[str, Any]:
-        """Document 003's ``PrivacyAccountant.get_report()`` for this principal, grouped by round."""
+        """The anomaly detector's ``PrivacyAccountant.get_report()`` for this principal, by round."""
         return privacy_accountant(self.ledger, self.principal).get_report()
 
 
 def privacy_accountant(ledger: Any, principal: str) -> Any:
-    """Document 003's :class:`gaussdp.budget.PrivacyAccountant` filled from the ledger.
+    """The federated anomaly detector's :class:`gaussdp.budget.PrivacyAccountant` filled from the ledger.
 
     Every charge of ``principal`` becomes one expenditure of its round (from the idempotency key),
     with its exact event. The budget's delta is split evenly over the ``n`` charges (each spend is
@@ -172,18 +172,18 @@ def privacy_accountant(ledger: Any, principal: str) -> Any:
 
 
 def round_report(ledger: Any, principals: list[str] | None = None, *, prefix: str = "") -> dict[str, Any]:
-    """Document 003's ``PrivacyAccountant.get_report()``, built from the ledger's records, by round.
+    """The anomaly detector's ``PrivacyAccountant.get_report()``, built from the ledger's records, by round.
 
     Each principal is accounted by its own budget's accountant; ``total_epsilon`` is the largest
     composed epsilon over the principals (each principal is a different client, or one run, so their
-    guarantees do not add up), at each principal's budget delta. Unlike document 003 (basic
+    guarantees do not add up), at each principal's budget delta. Unlike the federated anomaly detector (basic
     composition, deltas summed), every figure is the ledger's tight composition.
 
     Returns:
-        A dict with document 003's keys: ``total_epsilon``, ``total_delta``, ``num_expenditures``,
-        ``target_epsilon``, ``remaining_budget``, ``budget_exceeded``, ``expenditures_by_round``
-        (``"round_<r>" -> [{"principal", "event", "charge_id", "description"}]``), plus
-        ``per_principal`` with each principal's spent epsilon and budget.
+        A dict with the federated anomaly detector's keys: ``total_epsilon``, ``total_delta``,
+        ``num_expenditures``, ``target_epsilon``, ``remaining_budget``, ``budget_exceeded``,
+        ``expenditures_by_round`` (``"round_<r>" -> [{"principal", "event", "charge_id", "description"}]``),
+        plus ``per_principal`` with each principal's spent epsilon and budget.
     """
     led = _as_ledger(ledger)
     names = list(principals) if principals is not None else led.principals(prefix)

@@ -3,7 +3,7 @@
 * :class:`HiddenStatePrivatizer`: a forward hook that clips each token's (or sequence's) hidden
   state, charges the session's ledger, adds calibrated Gaussian noise, and removes itself cleanly.
 * :func:`stream_generate`: greedy streaming generation, charged per request and per new token.
-* Split mode (document 000): :func:`client_forward` / :func:`server_lora_delta` /
+* Split mode (the private inference server): :func:`client_forward` / :func:`server_lora_delta` /
   :func:`client_finish`, with a :class:`LoRABackend` for the server's delta computation
   (:class:`PlainLoRABackend`; :class:`CKKSLoRABackend` with TenSEAL, optional).
 * CKKS split mode across the wire (:mod:`gaussdp.inference.ckks`, extra ``he``): the client's

@@ -2,8 +2,8 @@
 
 The privacy of the hidden state in split mode comes from the client's clipping and Gaussian noise
 (:class:`~gaussdp.inference.HiddenStatePrivatizer`), never from the back end: whoever decrypts the
-CKKS result sees ``A @ h_noised``, which is post-processing of the noised state. CKKS (document 000's
-HE-LoRA) only keeps the server from seeing ``h_noised`` itself while it computes.
+CKKS result sees ``A @ h_noised``, which is post-processing of the noised state. CKKS (the private inference
+server's HE-LoRA) only keeps the server from seeing ``h_noised`` itself while it computes.
 
 :class:`CKKSLoRABackend` holds the secret key in the process that computes (a demonstration and a
 baseline). For a real split across the wire, where the server never holds the secret key and

@@ -1,7 +1,7 @@
 """CKKS split inference across the wire: the client keeps the secret key, the server computes blind.
 
-Document 000's split mode with an honest-but-curious server: the client clips and noises a hidden
-state (:func:`gaussdp.inference.client_forward`), encrypts the noised rows under CKKS
+The private inference server's split mode with an honest-but-curious server: the client clips and noises a
+hidden state (:func:`gaussdp.inference.client_forward`), encrypts the noised rows under CKKS
 (:class:`CKKSClient`) and sends the ciphertext; the server, which holds a LoRA adapter ``(A, B,
 scaling)``, computes the whole delta ``scaling * B @ (A @ h)`` on the ciphertext
 (:func:`ckks_lora_delta`) and returns a ciphertext that only the client can decrypt

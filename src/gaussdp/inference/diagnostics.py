@@ -2,8 +2,8 @@
 
 The signal that survives clipping has norm at most ``C`` whatever the hidden state's norm was; the
 noise ``N(0, sigma^2 I_d)`` has norm about ``sigma sqrt(d)``. So the signal-to-noise ratio of a
-privatized hidden state is at most ``C / (sigma sqrt(d))``. Document 000 clips to ``C = 1`` and adds
-``sigma = 4.84`` in ``d = 1536`` dimensions: noise norm about 190, SNR about 0.005, not the ~0.94 it
+privatized hidden state is at most ``C / (sigma sqrt(d))``. The private inference server clips to ``C = 1``
+and adds ``sigma = 4.84`` in ``d = 1536`` dimensions: noise norm about 190, SNR about 0.005, not the ~0.94 it
 reports by dividing the *unclipped* norm (~177.5) by the noise norm. :func:`analytic_snr` gives these
 figures; :func:`measure_snr` measures them on real vectors; :func:`utility_report` measures the
 effect on a model's next-token predictions against the clean model.
@@ -44,12 +44,13 @@ class SNRFigures:
         clip_norm: the clip C.
         sigma: noise standard deviation per coordinate.
         signal_norm: norm of the signal after clipping (analytic: C, its maximum; measured: mean).
-        noise_norm_rms: ``sigma * sqrt(d)``, the root-mean-square noise norm (document 000's figure).
+        noise_norm_rms: ``sigma * sqrt(d)``, the root-mean-square noise norm (the private inference server's
+            figure).
         noise_norm_mean: ``E||N(0, sigma^2 I_d)||`` exactly (analytic) or measured mean.
         snr: ``signal_norm / noise_norm_mean``.
         unclipped_norm: the hidden state's norm before clipping, when known (mean if measured).
-        naive_snr: ``unclipped_norm / noise_norm_rms``, the ratio document 000 reports (not the
-            signal that is released: the released signal has norm <= C).
+        naive_snr: ``unclipped_norm / noise_norm_rms``, the ratio the private inference server reports (not
+            the signal that is released: the released signal has norm <= C).
     """
 
     dim: int

@@ -29,8 +29,8 @@ hidden-state matrix (``per="sequence"``). Every released row is clipped to ``cli
   composed by the ledger's accountant), the epsilon the ledger reports covers the *whole* request
   (all its tokens) and, composed over requests, the whole session.
 * ``neighbouring="add-remove"``: a row is neighbour to its absence (the zero vector), sensitivity
-  ``C``. This is the relation under which document 000's ``Delta_f = 1`` for a clip of 1 is right;
-  it protects the presence of a hidden state, not its content against any other content.
+  ``C``. This is the relation under which the private inference server's ``Delta_f = 1`` for a clip of 1 is
+  right; it protects the presence of a hidden state, not its content against any other content.
 
 The guarantee covers everything computed *from the hooked module's output alone* (post-processing):
 for a decoder-only transformer hooked at a block, the rest of the model only sees the residual

@@ -24,7 +24,7 @@ __all__ = ["Document000", "document_000", "plot_privacy_utility", "sweep", "tiny
 
 @dataclass(frozen=True)
 class Document000:
-    """Document 000's setting, with its true figures.
+    """The private inference server's setting, with its true figures.
 
     Attributes:
         analytic: :class:`SNRFigures` in closed form (d=1536, C=1, classical sigma for (1, 1e-5)).
@@ -46,7 +46,7 @@ class Document000:
 
 
 def document_000(*, rows: int = 256, seed: int | None = None) -> Document000:
-    """Reproduce document 000's inference setting and its true SNR (see :class:`Document000`)."""
+    """Reproduce the private inference server's setting and its true SNR (see :class:`Document000`)."""
     import numpy as np
 
     dim, clip, delta, norm = 1536, 1.0, 1e-5, 177.5
@@ -169,7 +169,7 @@ def plot_privacy_utility(
     if doc is not None:
         axes[2].axhline(doc.analytic.snr, color="red", lw=1)
         axes[2].set_title(
-            f"red line: document 000 (d=1536, C=1, sigma=4.84),\nSNR {doc.analytic.snr:.4f}, "
+            f"red line: the private inference server (d=1536, C=1, sigma=4.84),\nSNR {doc.analytic.snr:.4f}, "
             f"not the {doc.claimed_snr:.2f} it claims",
             fontsize=9,
             color="red",

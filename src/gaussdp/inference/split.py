@@ -1,4 +1,4 @@
-"""Split inference (document 000): the client privatizes a hidden state, the server adds a LoRA delta.
+"""Split inference: the client privatizes a hidden state, the server adds a LoRA delta.
 
 The client runs the model up to ``layer``, privatizes the hidden state of the positions it sends
 (:func:`client_forward`: clip, charge, noise), and sends the noised vectors. The server, which holds
@@ -73,7 +73,7 @@ def client_forward(
 
     The forward pass stops right after ``layer`` (later layers are not run). If ``privatizer`` is
     also hooked into the model it is paused during this pass, so only what is returned is charged:
-    one row per position sent (``positions="last"``: one per sequence, as in document 000;
+    one row per position sent (``positions="last"``: one per sequence, as in the private inference server;
     ``"all"``: every token). The neighbouring relation is the privatizer's (default replace-one,
     sensitivity ``2 * clip_norm``, the default of ``/lora-delta`` too): send ``privatizer.sigma``,
     ``privatizer.clip_norm`` and ``privatizer.neighbouring`` with the rows and the server charges the

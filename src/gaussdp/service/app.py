@@ -14,8 +14,8 @@ charged); 503 the ledger's database cannot be reached (``database_unavailable``,
 nothing released). ``/healthz`` is liveness only (the process answers); ``/readyz`` reaches the
 database and answers 503 while it cannot.
 
-Split mode (document 000) has two endpoints. ``/hidden-state`` is for a TRUSTED server: it receives
-the clean hidden state, clips and noises it itself. ``/lora-delta`` is for an honest-but-curious
+Split mode (the private inference server) has two endpoints. ``/hidden-state`` is for a TRUSTED server: it
+receives the clean hidden state, clips and noises it itself. ``/lora-delta`` is for an honest-but-curious
 server: the client clips and noises (:func:`gaussdp.inference.client_forward`), the server only
 computes the LoRA delta of the noised rows with an adapter it holds, and charges the session the
 privacy the client declares it spent (the server cannot verify that noise). With the ``he`` extra
@@ -525,11 +525,11 @@ def create_app(
     )
     @bounded
     def hidden_state(session_id: SessionId, body: HiddenStateIn, who: Releaser) -> HiddenStateOut:
-        """Document 000's split mode, TRUSTED server: clip the state to ``clip_norm``, noise it, charge.
+        """Split mode, TRUSTED server: clip the state to ``clip_norm``, noise it, charge.
 
         The server sees the clean hidden state; with an honest-but-curious server use ``/lora-delta``.
-        Defaults are document 000's per-request (epsilon=1, delta=1e-5, clip 1), calibrated exactly
-        (analytic) instead of with the classical formula. ``neighbouring`` says what the epsilon
+        Defaults are the private inference server's per-request (epsilon=1, delta=1e-5, clip 1), calibrated
+        exactly (analytic) instead of with the classical formula. ``neighbouring`` says what the epsilon
         protects: ``"replace"`` (default, as for the privatizer and ``/lora-delta``: any state
         against any other, sensitivity ``2 * clip_norm``) or ``"add-remove"`` (sensitivity
         ``clip_norm``: a state against its absence); the response names it. An exhausted session
@@ -564,7 +564,7 @@ def create_app(
     )
     @bounded
     def lora_delta(session_id: SessionId, body: LoraDeltaIn, who: Releaser) -> LoraDeltaOut:
-        """Document 000's split mode, untrusted server: the LoRA delta of rows the CLIENT privatized.
+        """The inference server's split mode, untrusted server: the LoRA delta of rows the CLIENT privatized.
 
         Each row of ``noised`` (or ``noised_b64``, row-major float32 with the adapter's hidden size)
         must already be clipped to ``clip_norm`` and noised with ``N(0, sigma^2 I)`` by the client

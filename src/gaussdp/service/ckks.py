@@ -1,6 +1,7 @@
 """CKKS split inference over HTTP: the server computes a LoRA delta on ciphertext it cannot decrypt.
 
-Document 000's split mode with an honest-but-curious server, encrypted (:mod:`gaussdp.inference.ckks`):
+The private inference server's split mode with an honest-but-curious server, encrypted
+(:mod:`gaussdp.inference.ckks`):
 
 1. ``POST /v1/sessions/{id}/ckks-context`` (body: the raw bytes of
    :meth:`~gaussdp.inference.ckks.CKKSClient.public_context`, ``application/octet-stream``): the

@@ -41,7 +41,7 @@ Neighbouring = HiddenStateNeighbouring
 _RELATION_HELP = (
     "Neighbouring relation the epsilon is for: 'replace' (default everywhere for hidden states, as in "
     "gaussdp.inference: any state against any other, sensitivity 2 * clip_norm) or 'add-remove' (a "
-    "state against its absence, the zero vector; sensitivity clip_norm, document 000's Delta_f)."
+    "state against its absence, the zero vector; sensitivity clip_norm, the inference server's Delta_f)."
 )
 IdempotencyKey = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")]
 
@@ -171,7 +171,7 @@ class ReleaseOut(BaseModel):
 
 
 class HiddenStateIn(_Noise):
-    """Document 000's split mode: a hidden state in, the clipped and noised state out."""
+    """The private inference server's split mode: a hidden state in, the clipped and noised state out."""
 
     hidden_state: Vector | None = None
     hidden_state_b64: Base64 | None = None

@@ -1,6 +1,6 @@
 """Local differential privacy for text: perturb each word's embedding, release the nearest word.
 
-Document 002's flow, with honest guarantees: a :class:`Vocabulary` of word vectors clipped to
+The text perturbation service's flow, with honest guarantees: a :class:`Vocabulary` of word vectors clipped to
 ``[-1, 1]^dim``, a word mechanism (:class:`GaussianWordMechanism`, :class:`LaplaceWordMechanism`,
 :class:`MahalanobisWordMechanism`, :class:`TruncatedExponentialWordMechanism`), exact batched
 nearest-word search (:mod:`gaussdp.text.search`: proven float32 lower bounds, float64 re-check),

@@ -3,8 +3,8 @@
 No download happens at run time: :func:`demo_corpus` generates sentences from a few hundred words
 grouped by topic (animals, food, places, weather, family, work, ...) with simple templates, so that
 word2vec learns vectors in which words of one topic are close. :func:`demo_vocabulary` trains
-document 002's skip-gram (50 dimensions, min count 3, window 5, 8 negative samples, clipped to
-[-1, 1]) on it in a few seconds, as fastText with character n-grams so that unknown words get a
+the text perturbation service's skip-gram (50 dimensions, min count 3, window 5, 8 negative samples, clipped
+to [-1, 1]) on it in a few seconds, as fastText with character n-grams so that unknown words get a
 vector. The package also ships the result
 (``gaussdp/data/text_vocab_demo.npz``, see :func:`shipped_vocabulary`).
 
@@ -122,7 +122,7 @@ def demo_corpus(n_sentences: int = 40_000, *, seed: int = 0) -> list[list[str]]:
 def demo_vocabulary(
     *, n_sentences: int = 40_000, epochs: int = 5, seed: int = 0, buckets: int = 4096
 ) -> Vocabulary:
-    """Train document 002's skip-gram vectors on :func:`demo_corpus` (seconds, one worker).
+    """Train the text perturbation service's skip-gram vectors on :func:`demo_corpus` (seconds, one worker).
 
     fastText (gensim) with character n-grams of 3 to 6 characters hashed into ``buckets`` vectors,
     so that words outside the vocabulary get a vector (:mod:`gaussdp.text.subwords`); ``buckets=0``

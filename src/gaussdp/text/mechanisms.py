@@ -14,7 +14,7 @@ dissimilar words much less so. A per-word statement therefore always comes with 
 
 Mechanisms (all released words are post-processing of the noisy vector or noisy scores):
 
-* :class:`GaussianWordMechanism` (document 002): ``phi(w) + N(0, sigma^2 I)``. Metric zCDP:
+* :class:`GaussianWordMechanism` (the text perturbation service): ``phi(w) + N(0, sigma^2 I)``. Metric zCDP:
   ``rho(d) = d^2 / (2 sigma^2)``; for two words at distance ``d`` the exact ``(epsilon, delta)`` is
   that of a Gaussian mechanism with L2 sensitivity ``d`` (:func:`gaussdp.calibration.epsilon_for`).
 * :class:`LaplaceWordMechanism` (multivariate Laplace, Feyisetan et al. WSDM 2020): noise density
@@ -252,14 +252,14 @@ def _distances(distances: Any) -> np.ndarray:
 
 
 class GaussianWordMechanism(WordMechanism):
-    """Document 002's mechanism: ``phi(w) + N(0, sigma^2 I)``, then the nearest word.
+    """The text perturbation service's mechanism: ``phi(w) + N(0, sigma^2 I)``, then the nearest word.
 
     Guarantee (metric zCDP, Bun & Steinke 2016): for two words at distance ``d``, the output
     distributions satisfy ``rho(d) = d^2 / (2 sigma^2)``-zCDP, and exactly the ``(epsilon, delta)``
     profile of a Gaussian mechanism with L2 sensitivity ``d`` (Balle & Wang 2018, via
     :func:`gaussdp.calibration.epsilon_for`). Local DP over the whole vocabulary is the case
-    ``d = diameter``. Document 002 claims epsilon ~96.9 for sigma=0.1 with "sensitivity 2": the exact
-    epsilon at sensitivity 2 is about 284, and the true worst case is ``2 sqrt(50) ~ 14.1``.
+    ``d = diameter``. The text perturbation service claims epsilon ~96.9 for sigma=0.1 with "sensitivity 2":
+    the exact epsilon at sensitivity 2 is about 284, and the true worst case is ``2 sqrt(50) ~ 14.1``.
 
     Construct with ``sigma=`` or with ``epsilon=, delta=`` at a reference ``distance=`` (default: the
     vocabulary's diameter bound, i.e. true local DP between any two words).

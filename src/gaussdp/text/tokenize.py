@@ -9,7 +9,7 @@ output has the same lines as the input. What the output still reveals: the numbe
 The browser page (``gaussdp/text/static/text.js``) implements the same rule with the regular
 expression ``/[\\p{L}\\p{N}]+(?:'[\\p{L}\\p{N}]+)*/gu``.
 
-Input limits (document 002): UTF-8, at most 20 MB (20 * 10^6 bytes). Anything else raises
+Input limits (the text perturbation service): UTF-8, at most 20 MB (20 * 10^6 bytes). Anything else raises
 :class:`gaussdp.errors.UnsafeInput` before any word is processed.
 """
 

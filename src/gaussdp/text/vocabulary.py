@@ -1,8 +1,8 @@
 """Word vectors and the exact nearest-word search every text mechanism uses.
 
 A :class:`Vocabulary` holds ``V`` words and a ``V x dim`` float32 matrix whose entries lie in
-``[-clip, clip]`` (document 002 clips word2vec vectors to ``[-1, 1]``; the privacy statements of the
-mechanisms in :mod:`gaussdp.text.mechanisms` rely on that bound, so it is enforced on construction).
+``[-clip, clip]`` (the text perturbation service clips word2vec vectors to ``[-1, 1]``; the privacy statements
+of the mechanisms in :mod:`gaussdp.text.mechanisms` rely on that bound, so it is enforced on construction).
 
 Search: :meth:`Vocabulary.nearest` returns, for each row of a batch of vectors, the index of the
 vocabulary word at the smallest Euclidean distance. It is exact and batched
@@ -50,9 +50,10 @@ class Vocabulary:
     Args:
         words: distinct words (str), ``V`` of them.
         vectors: ``V x dim`` real matrix, finite. Converted to float32.
-        clip: every coordinate must lie in ``[-clip, clip]`` (default 1.0, as in document 002).
-        clip_vectors: when True, coordinates outside the bound are clipped to it (as document 002
-            does after training); when False (default) they are refused with :class:`UnsafeInput`,
+        clip: every coordinate must lie in ``[-clip, clip]`` (default 1.0, as in the text perturbation
+            service).
+        clip_vectors: when True, coordinates outside the bound are clipped to it (as the text perturbation
+            service does after training); when False (default) they are refused with :class:`UnsafeInput`,
             because the worst-case distance bound ``2 * clip * sqrt(dim)`` would not hold.
         meta: free-form provenance stored with the file (JSON-serialisable).
         subword_table: optional fastText n-gram bucket vectors (``buckets x dim``, stored as float16)
@@ -350,8 +351,8 @@ class Vocabulary:
     ) -> Vocabulary:
         """Train word2vec (gensim, skip-gram with negative sampling) and clip to ``[-clip, clip]``.
 
-        Defaults are document 002's: 50 dimensions, min count 3, window 5, 8 negative samples,
-        vectors clipped to ``[-1, 1]``, at most 100k words. ``sentences`` is a path to a UTF-8 text
+        Defaults are the text perturbation service's: 50 dimensions, min count 3, window 5, 8 negative
+        samples, vectors clipped to ``[-1, 1]``, at most 100k words. ``sentences`` is a path to a UTF-8 text
         file (tokenised with :func:`gaussdp.text.tokenize.words`, one sentence per line) or an
         iterable of token lists. The vectors are public parameters of the mechanism: train them on
         public text, not on the text you mean to protect. ``seed`` only makes training reproducible
