@@ -34,6 +34,7 @@ References:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import threading
 from collections.abc import Iterator
@@ -77,6 +78,13 @@ class _Stage:
         self.operand = np.ascontiguousarray(
             np.concatenate([-2.0 * wk, sq.astype(np.float32)[:, None]], axis=1).T
         )
+        # For the C kernel: columns padded to a multiple of 16 with bounds of 3e38 (never a candidate;
+        # the kernel also stops at the vocabulary's size).
+        n_vocab = self.operand.shape[1]
+        padded = np.zeros((self.k + 1, -(-n_vocab // 16) * 16), dtype=np.float32)
+        padded[:, :n_vocab] = self.operand
+        padded[-1, n_vocab:] = 3e38
+        self.padded = padded
 
     def project(self, q64: np.ndarray) -> np.ndarray:
         if self.projection is None:
@@ -92,8 +100,15 @@ class ExactSearch:
         candidate_limit: candidates per query above which a row is searched with the full dimension.
     """
 
-    def __init__(self, vectors: np.ndarray, *, candidate_limit: int = 256) -> None:
+    def __init__(
+        self, vectors: np.ndarray, *, candidate_limit: int = 256, kernel: bool | None = None
+    ) -> None:
         self.vectors = vectors
+        self._kernel = _load_kernel() if kernel is None or kernel else None
+        if kernel and self._kernel is None:
+            raise ImportError("kernel=True but the C kernel gaussdp._search is not built")
+        if vectors.dtype != np.float32 or not vectors.flags.c_contiguous:
+            self._kernel = None  # the kernel reads C-ordered float32 rows only
         self.candidate_limit = int(candidate_limit)
         n_vocab, dim = vectors.shape
         sq = np.einsum("ij,ij->i", vectors, vectors, dtype=np.float64)
@@ -140,6 +155,42 @@ class ExactSearch:
         return out
 
     def _block(self, q: np.ndarray) -> np.ndarray:
+        if self._kernel is not None and q.dtype == np.float32:
+            return self._block_kernel(np.ascontiguousarray(q))
+        return self._block_numpy(q)
+
+    def _block_kernel(self, q: np.ndarray) -> np.ndarray:
+        """Steps 1-4 fused in C (gaussdp._search); rows it hands back are decided by the numpy path."""
+        st = self.projected if self.projected is not None else self.full
+        limit = self.candidate_limit if self.projected is not None else np.iinfo(np.int64).max
+        m = q.shape[0]
+        _, qa, qk_sq, eps = self._bound_terms(q, st)
+        offset = np.ascontiguousarray(eps - qk_sq, dtype=np.float64)
+        out = np.empty(m, dtype=np.int64)
+        status = np.empty(m, dtype=np.int8)
+        n_vocab, dim = self.vectors.shape
+        assert self._kernel is not None
+        self._kernel.search(
+            qa,
+            st.padded,
+            self.vectors,
+            q,
+            offset,
+            out,
+            status,
+            m,
+            st.k + 1,
+            st.padded.shape[1],
+            n_vocab,
+            dim,
+            limit,
+        )
+        handed_back = status != 0
+        if handed_back.any():
+            out[handed_back] = self._block_numpy(q[handed_back])
+        return out
+
+    def _block_numpy(self, q: np.ndarray) -> np.ndarray:
         if self.projected is None:
             return self._stage(q, self.full, None)[0]
         res, unresolved = self._stage(q, self.projected, self.candidate_limit)
@@ -148,15 +199,29 @@ class ExactSearch:
         return res
 
     # ------------------------------------------------------------------ one stage
-    def _stage(self, q: np.ndarray, st: _Stage, limit: int | None) -> tuple[np.ndarray, np.ndarray]:
+    def _bound_terms(
+        self, q: np.ndarray, st: _Stage
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``q`` in float64, ``[P^T q | 1]`` in float32, ``||P^T q||^2`` and ``eps_q`` (step 3)."""
         m = q.shape[0]
-        n_vocab = self.vectors.shape[0]
         q64 = q.astype(np.float64)
         qk = st.project(q64)
         qa = np.empty((m, st.k + 1), dtype=np.float32)
         qa[:, :-1] = qk
         qa[:, -1] = 1.0
         qk_sq = np.einsum("ij,ij->i", qk, qk, dtype=np.float64)
+        # eps_q: every float32 error between the computed bound and ||P^T(q - w)||^2 - ||P^T q||^2.
+        qn = np.sqrt(np.einsum("ij,ij->i", q64, q64))
+        reach = qn + self.max_norm
+        delta = st.delta_rel * reach  # ||rounding of P^T q|| + ||rounding of P^T w||
+        gemm = _gamma(st.k + 2, _U32) * (st.max_sq + 2.0 * np.sqrt(qk_sq) * self.max_norm)
+        eps = 2.0 * reach * delta + delta * delta + 2.0 * gemm + 1e-12 * reach * reach
+        return q64, qa, qk_sq, eps
+
+    def _stage(self, q: np.ndarray, st: _Stage, limit: int | None) -> tuple[np.ndarray, np.ndarray]:
+        m = q.shape[0]
+        n_vocab = self.vectors.shape[0]
+        q64, qa, qk_sq, eps = self._bound_terms(q, st)
         starts = list(range(0, n_vocab, _VOCAB_BLOCK))
         bmin = np.empty((m, len(starts)), dtype=np.float32)
         barg = np.empty((m, len(starts)), dtype=np.int64)
@@ -171,13 +236,6 @@ class ExactSearch:
             barg[:, b] = arg + vlo
         first = barg[rows, bmin.argmin(axis=1)]
         upper = self._sq_dist(q64, rows, first) * (1.0 + 1e-12)
-
-        # eps_q: every float32 error between the computed bound and ||P^T(q - w)||^2 - ||P^T q||^2.
-        qn = np.sqrt(np.einsum("ij,ij->i", q64, q64))
-        reach = qn + self.max_norm
-        delta = st.delta_rel * reach  # ||rounding of P^T q|| + ||rounding of P^T w||
-        gemm = _gamma(st.k + 2, _U32) * (st.max_sq + 2.0 * np.sqrt(qk_sq) * self.max_norm)
-        eps = 2.0 * reach * delta + delta * delta + 2.0 * gemm + 1e-12 * reach * reach
         threshold = upper - qk_sq + eps
 
         hot = bmin <= threshold[:, None]
@@ -232,6 +290,14 @@ class ExactSearch:
             while e < rows.size and rows[e] == r and d2[e] <= d2[s] * (1.0 + _TIE_BAND) + 1e-300:
                 e += 1
             out[r] = _exact_argmin(q[r], self.vectors, cols[s:e])
+
+
+def _load_kernel() -> Any:
+    """The compiled kernel gaussdp._search, or None where it was not built (numpy path)."""
+    try:
+        return importlib.import_module("gaussdp._search")
+    except ImportError:
+        return None
 
 
 _BLAS_LOCK = threading.Lock()
