@@ -156,10 +156,10 @@ class ExactSearch:
 
     def _block(self, q: np.ndarray) -> np.ndarray:
         if self._kernel is not None and q.dtype == np.float32:
-            return self._block_kernel(np.ascontiguousarray(q))
+            return self._block_kernel(self._kernel, np.ascontiguousarray(q))
         return self._block_numpy(q)
 
-    def _block_kernel(self, q: np.ndarray) -> np.ndarray:
+    def _block_kernel(self, kernel: Any, q: np.ndarray) -> np.ndarray:
         """Steps 1-4 fused in C (gaussdp._search); rows it hands back are decided by the numpy path."""
         st = self.projected if self.projected is not None else self.full
         limit = self.candidate_limit if self.projected is not None else np.iinfo(np.int64).max
@@ -169,8 +169,7 @@ class ExactSearch:
         out = np.empty(m, dtype=np.int64)
         status = np.empty(m, dtype=np.int8)
         n_vocab, dim = self.vectors.shape
-        assert self._kernel is not None
-        self._kernel.search(
+        kernel.search(
             qa,
             st.padded,
             self.vectors,
@@ -199,9 +198,7 @@ class ExactSearch:
         return res
 
     # ------------------------------------------------------------------ one stage
-    def _bound_terms(
-        self, q: np.ndarray, st: _Stage
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _bound_terms(self, q: np.ndarray, st: _Stage) -> tuple[np.ndarray, ...]:
         """``q`` in float64, ``[P^T q | 1]`` in float32, ``||P^T q||^2`` and ``eps_q`` (step 3)."""
         m = q.shape[0]
         q64 = q.astype(np.float64)
