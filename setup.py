@@ -3,7 +3,8 @@ noise (src/gaussdp/_gauss.c), and the fused exact nearest-word kernel of text se
 Everything else is in pyproject.toml.
 
 Both optional: where _search cannot be built, text search uses its numpy path; where _gauss cannot
-be built (no C compiler, no glibc libmvec) the install goes on without it and the engine falls back to torch's generator (``PrivacyEngine.noise_stream`` says which is used).
+be built (no C compiler, no glibc libmvec) the install goes on without it and the engine falls back to
+torch's generator (``PrivacyEngine.noise_stream`` says which is used).
 ``-ffast-math`` is given to the compiler only, so that GCC calls glibc's vector log/sin/cos; the link
 has no ``-ffast-math``, so crtfastmath.o, which would switch the whole process to flush-to-zero, is not
 linked in (tests/torch/test_fast_noise.py checks this).
