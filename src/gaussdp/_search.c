@@ -37,8 +37,12 @@
 #endif
 
 #define LANES 16
-#define QT 8    /* queries per tile: QT vector accumulators */
-#define WB 512  /* words per block whose minimum bound is kept */
+#ifndef QT
+#define QT 8 /* queries per tile: QT vector accumulators */
+#endif
+#ifndef WB
+#define WB 512 /* words per block whose minimum bound is kept */
+#endif
 #define TIE_BAND 1e-13
 
 typedef float v16 __attribute__((vector_size(64)));
