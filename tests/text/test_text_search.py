@@ -103,6 +103,7 @@ needs_kernel = pytest.mark.skipif(not _kernel_built(), reason="C kernel gaussdp.
         (701, 8, 0.05, 256),
         (2500, 50, 0.8, 1),
         (17, 50, 0.5, 256),
+        (1, 100, 0.5, 256),
         (1, 50, 0.5, 256),
     ],
 )

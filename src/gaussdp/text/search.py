@@ -172,7 +172,9 @@ class ExactSearch:
         return out
 
     def _block(self, q: np.ndarray) -> np.ndarray:
-        if self._kernel is not None and q.dtype == np.float32:
+        st = self.projected if self.projected is not None else self.full
+        # the kernel keeps a query's k + 1 bound coefficients in a 64-float tile row
+        if self._kernel is not None and q.dtype == np.float32 and st.k < 64:
             return self._block_kernel(self._kernel, np.ascontiguousarray(q))
         return self._block_numpy(q)
 
