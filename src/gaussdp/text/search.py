@@ -34,9 +34,10 @@ rounding the threshold up only adds candidates. The kernel hands a row back to t
 decides it as described here) when its runner-up is within ``1e-13`` relative of its best float64
 distance (a possible tie: exact rational check), when it has more than ``candidate_limit`` candidates,
 or when it has none. It releases the GIL, so the query blocks of ``nearest`` run in parallel threads.
-On the benchmark of ``benchmarks/bench_text.py`` (100k x 50 vocabulary, sigma 0.1) it is about twice
-as fast as the numpy path at one thread: the numpy path spends most of its time writing and re-reading
-the float32 score blocks (GEMM output, argmin, fancy indexing), which the kernel keeps in registers.
+Profile at one thread (100k x 50 vocabulary, sigma 0.1, 5120 queries): the numpy path spends 58% of
+its time in the float32 GEMM (OpenBLAS), 19% in the per-block argmin and gather over the GEMM's
+output, and 23% in thresholds, hot-block recomputation, the float64 re-check and Python per block;
+the kernel's whole run takes about as long as the numpy path's GEMM alone (about 1.8x faster).
 
 Tie rule: the smallest exact distance; among words at exactly the same distance, the lowest index.
 A row with more than ``candidate_limit`` candidates (noise so large that the projected bound does
