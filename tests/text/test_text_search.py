@@ -131,8 +131,8 @@ def test_kernel_hands_ties_and_float32_inseparable_rows_to_exact_arithmetic():
     q[2, k] = 0.0
     fused = ExactSearch(w, kernel=True)
     handed_back: list[int] = []
-    numpy_block = fused._block_numpy
-    fused._block_numpy = lambda rows: (handed_back.append(len(rows)), numpy_block(rows))[1]  # type: ignore[method-assign]
+    stage = fused._stage
+    fused._stage = lambda rows, st, limit: (handed_back.append(len(rows)), stage(rows, st, limit))[1]  # type: ignore[method-assign]
     got = fused.nearest(q)
     assert handed_back == [2]  # the two exact ties are decided by the numpy path's rational check
     np.testing.assert_array_equal(got, reference_nearest(w, q))
