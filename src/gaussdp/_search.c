@@ -135,6 +135,10 @@ static void search_block(const float *qa, size_t k1, const float *op, size_t vp,
             int64_t count = 0, best_i = -1;
             double best = INFINITY, second = INFINITY;
             int over = 0;
+            /* More passing blocks than the limit: hand the row back at once (always safe). */
+            for (size_t b = 0; b < nblocks && !over; b++)
+                if (bm[b] <= thr && ++count > limit) over = 1;
+            count = 0;
             for (size_t b = 0; b < nblocks && !over; b++) {
                 if (!(bm[b] <= thr)) continue;
                 size_t blo = b * WB, bhi = blo + WB < vp ? blo + WB : vp;
