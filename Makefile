@@ -16,7 +16,7 @@ $(VENV)/.demo-installed: pyproject.toml setup.py src/gaussdp/_gauss.c | $(BIN)/p
 	$(PIP) -e ".[all]"
 	touch $@
 
-$(VENV)/.test-installed: pyproject.toml setup.py src/gaussdp/_gauss.c $(VENV)/.demo-installed
+$(VENV)/.test-installed: pyproject.toml setup.py src/gaussdp/_gauss.c src/gaussdp/_search.c $(VENV)/.demo-installed
 	$(PIP) -e ".[all,dev]"
 	touch $@
 

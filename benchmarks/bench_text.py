@@ -13,12 +13,13 @@ faiss's float32 ranking is wrong (gaussdp's word is strictly closer in exact ari
 tie resolved to the lower index (gaussdp's documented tie rule). A subsample is also checked
 against a float64 brute-force reference with the same tie rule (must be identical).
 
-Run: .venv/bin/python benchmarks/bench_text.py [--words N] [--vocab V] [--sigma S]
+Run: .venv/bin/python benchmarks/bench_text.py [--words N] [--vocab V] [--sigma S] [--no-kernel]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from fractions import Fraction
@@ -42,6 +43,11 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=20_000, help="queries per timed call")
     parser.add_argument("--numpy-words", type=int, default=300)
     parser.add_argument("--reference-words", type=int, default=500)
+    parser.add_argument(
+        "--no-kernel",
+        action="store_true",
+        help="gaussdp's numpy path instead of the C kernel gaussdp._search",
+    )
     args = parser.parse_args()
 
     import faiss
@@ -56,9 +62,11 @@ def main() -> None:
     mech = GaussianWordMechanism(vocab, sigma=args.sigma)
     noisy = mech._noisy(matrix[inputs])  # the same noisy vectors for every search below
 
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     print(f"{args.words} words, vocabulary {args.vocab} x {args.dim} float32, sigma={args.sigma}")
     t = time.perf_counter()
-    search = ExactSearch(vocab.vectors)
+    search = ExactSearch(vocab.vectors, kernel=False if args.no_kernel else None)
+    print(f"gaussdp path: {'numpy' if search._kernel is None else 'C kernel gaussdp._search'}")
     print(f"gaussdp index build (projection): {time.perf_counter() - t:.2f} s")
     index = faiss.IndexFlatL2(args.dim)
     index.add(matrix)
@@ -93,7 +101,7 @@ def main() -> None:
     np_ids = np.array([int(np.argmin(np.sum((matrix - v) ** 2, axis=1))) for v in sub])
     numpy_rate = sub.shape[0] / (time.perf_counter() - t)
     t = time.perf_counter()
-    mech.perturb_indices(inputs)
+    mech.perturb_indices(inputs)  # the vocabulary's own search (the kernel where it is built)
     perturb_rate = args.words / (time.perf_counter() - t)
 
     print(f"{'search':<44}{'gaussdp w/s':>12}{'faiss w/s':>12}{'ratio':>8}")
@@ -125,6 +133,7 @@ def main() -> None:
         f"differences, {faiss_wrong} where faiss's float32 ranking is wrong (gaussdp strictly closer), "
         f"{ties} exact ties (lower index), {bad} where gaussdp is wrong"
     )
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if bad or same_ref != args.reference_words or not np.array_equal(np_ids, ours[: args.numpy_words]):
         raise SystemExit("gaussdp exact search is not exact")
     try:

@@ -21,6 +21,30 @@ Algorithm (one block of queries at a time, no ``n x V`` matrix is ever held):
    relative error below ``(dim + 1) 2^-53``). A row whose best two candidates are within ``1e-13``
    relative of each other is decided in exact rational arithmetic (:class:`fractions.Fraction`).
 
+**Fused kernel.** Where the optional C extension ``gaussdp._search`` is built (``setup.py``; it is
+used for C-contiguous float32 vocabularies and float32 queries, ``ExactSearch(..., kernel=False)``
+forces the numpy path), steps 1-4 run in C per query block without materialising any block of
+scores: tiles of 8 queries x 16 words are computed in vector registers against the same operand, and
+only the minimum bound of each 512-word block is kept; per query, the word with the smallest bound
+gives ``U`` (float64, the same ``(1 + 1e-12)`` margin), the threshold ``U - ||P^T q||^2 + eps_q``
+(``eps_q`` computed here in numpy, as above) is rounded *up* to float32, and the blocks whose
+minimum passes are recomputed, every word under the threshold being re-checked in float64. The proof
+is unchanged: Higham's bound holds for any order of summation and with fused multiply-adds, and
+rounding the threshold up only adds candidates. The kernel hands a row back to the numpy path's
+full-dimension stage (as for a row over the limit above) when its runner-up is within ``1e-13``
+relative of its best float64 distance (a possible tie: exact rational check), when it has more than
+``candidate_limit`` candidates, or when it has none; a row over the limit is first searched again by
+the kernel with ``P = I`` (no limit), and only its near-ties go on to numpy. This matters for large
+noise: at sigma 1.0 (100k x 50) the numpy path collects every projected candidate before it gives up
+on a row (about 150 words/s at one thread); the kernel stops counting at the limit, and gives up on a
+row before recomputing anything when more than ``candidate_limit`` blocks pass the threshold (each
+such block almost always holds a candidate, and handing a row back is always safe). The kernel
+releases the GIL, so the query blocks of ``nearest`` run in parallel threads.
+Profile at one thread (100k x 50 vocabulary, sigma 0.1, 5120 queries): the numpy path spends 58% of
+its time in the float32 GEMM (OpenBLAS), 19% in the per-block argmin and gather over the GEMM's
+output, and 23% in thresholds, hot-block recomputation, the float64 re-check and Python per block;
+the kernel's whole run takes about as long as the numpy path's GEMM alone (about 1.8x faster).
+
 Tie rule: the smallest exact distance; among words at exactly the same distance, the lowest index.
 A row with more than ``candidate_limit`` candidates (noise so large that the projected bound does
 not separate words) is searched again with ``P = I`` (the full-dimension float32 GEMM), whose
@@ -34,6 +58,7 @@ References:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import threading
 from collections.abc import Iterator
@@ -77,6 +102,13 @@ class _Stage:
         self.operand = np.ascontiguousarray(
             np.concatenate([-2.0 * wk, sq.astype(np.float32)[:, None]], axis=1).T
         )
+        # For the C kernel: columns padded to a multiple of 16 with bounds of 3e38 (never a candidate;
+        # the kernel also stops at the vocabulary's size).
+        n_vocab = self.operand.shape[1]
+        padded = np.zeros((self.k + 1, -(-n_vocab // 16) * 16), dtype=np.float32)
+        padded[:, :n_vocab] = self.operand
+        padded[-1, n_vocab:] = 3e38
+        self.padded = padded
 
     def project(self, q64: np.ndarray) -> np.ndarray:
         if self.projection is None:
@@ -92,8 +124,15 @@ class ExactSearch:
         candidate_limit: candidates per query above which a row is searched with the full dimension.
     """
 
-    def __init__(self, vectors: np.ndarray, *, candidate_limit: int = 256) -> None:
+    def __init__(
+        self, vectors: np.ndarray, *, candidate_limit: int = 256, kernel: bool | None = None
+    ) -> None:
         self.vectors = vectors
+        self._kernel = _load_kernel() if kernel is None or kernel else None
+        if kernel and self._kernel is None:
+            raise ImportError("kernel=True but the C kernel gaussdp._search is not built")
+        if vectors.dtype != np.float32 or not vectors.flags.c_contiguous:
+            self._kernel = None  # the kernel reads C-ordered float32 rows only
         self.candidate_limit = int(candidate_limit)
         n_vocab, dim = vectors.shape
         sq = np.einsum("ij,ij->i", vectors, vectors, dtype=np.float64)
@@ -140,6 +179,56 @@ class ExactSearch:
         return out
 
     def _block(self, q: np.ndarray) -> np.ndarray:
+        st = self.projected if self.projected is not None else self.full
+        # the kernel keeps a query's k + 1 bound coefficients in a 64-float tile row
+        if self._kernel is not None and q.dtype == np.float32 and st.k < 64:
+            return self._block_kernel(self._kernel, np.ascontiguousarray(q))
+        return self._block_numpy(q)
+
+    def _block_kernel(self, kernel: Any, q: np.ndarray) -> np.ndarray:
+        """Steps 1-4 fused in C (gaussdp._search); rows it hands back are decided by the numpy path."""
+        if self.projected is None:
+            out, handed_back = self._kernel_stage(kernel, q, self.full, np.iinfo(np.int64).max)
+        else:
+            out, handed_back = self._kernel_stage(kernel, q, self.projected, self.candidate_limit)
+            if handed_back.any() and self.full.k < 64:
+                # Rows with too many projected candidates: the full-dimension bound, also in C.
+                rows = np.nonzero(handed_back)[0]
+                out[rows], again = self._kernel_stage(kernel, q[rows], self.full, np.iinfo(np.int64).max)
+                handed_back[rows] = again
+        if handed_back.any():
+            # The numpy full-dimension stage: its candidates are the words within float32 rounding of
+            # the best, and a near-tie is decided there in rational arithmetic.
+            out[handed_back] = self._stage(q[handed_back], self.full, None)[0]
+        return out
+
+    def _kernel_stage(
+        self, kernel: Any, q: np.ndarray, st: _Stage, limit: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        m = q.shape[0]
+        _, qa, qk_sq, eps = self._bound_terms(q, st)
+        offset = np.ascontiguousarray(eps - qk_sq, dtype=np.float64)
+        out = np.empty(m, dtype=np.int64)
+        status = np.empty(m, dtype=np.int8)
+        n_vocab, dim = self.vectors.shape
+        kernel.search(
+            qa,
+            st.padded,
+            self.vectors,
+            np.ascontiguousarray(q),
+            offset,
+            out,
+            status,
+            m,
+            st.k + 1,
+            st.padded.shape[1],
+            n_vocab,
+            dim,
+            limit,
+        )
+        return out, status != 0
+
+    def _block_numpy(self, q: np.ndarray) -> np.ndarray:
         if self.projected is None:
             return self._stage(q, self.full, None)[0]
         res, unresolved = self._stage(q, self.projected, self.candidate_limit)
@@ -148,15 +237,27 @@ class ExactSearch:
         return res
 
     # ------------------------------------------------------------------ one stage
-    def _stage(self, q: np.ndarray, st: _Stage, limit: int | None) -> tuple[np.ndarray, np.ndarray]:
+    def _bound_terms(self, q: np.ndarray, st: _Stage) -> tuple[np.ndarray, ...]:
+        """``q`` in float64, ``[P^T q | 1]`` in float32, ``||P^T q||^2`` and ``eps_q`` (step 3)."""
         m = q.shape[0]
-        n_vocab = self.vectors.shape[0]
         q64 = q.astype(np.float64)
         qk = st.project(q64)
         qa = np.empty((m, st.k + 1), dtype=np.float32)
         qa[:, :-1] = qk
         qa[:, -1] = 1.0
         qk_sq = np.einsum("ij,ij->i", qk, qk, dtype=np.float64)
+        # eps_q: every float32 error between the computed bound and ||P^T(q - w)||^2 - ||P^T q||^2.
+        qn = np.sqrt(np.einsum("ij,ij->i", q64, q64))
+        reach = qn + self.max_norm
+        delta = st.delta_rel * reach  # ||rounding of P^T q|| + ||rounding of P^T w||
+        gemm = _gamma(st.k + 2, _U32) * (st.max_sq + 2.0 * np.sqrt(qk_sq) * self.max_norm)
+        eps = 2.0 * reach * delta + delta * delta + 2.0 * gemm + 1e-12 * reach * reach
+        return q64, qa, qk_sq, eps
+
+    def _stage(self, q: np.ndarray, st: _Stage, limit: int | None) -> tuple[np.ndarray, np.ndarray]:
+        m = q.shape[0]
+        n_vocab = self.vectors.shape[0]
+        q64, qa, qk_sq, eps = self._bound_terms(q, st)
         starts = list(range(0, n_vocab, _VOCAB_BLOCK))
         bmin = np.empty((m, len(starts)), dtype=np.float32)
         barg = np.empty((m, len(starts)), dtype=np.int64)
@@ -171,13 +272,6 @@ class ExactSearch:
             barg[:, b] = arg + vlo
         first = barg[rows, bmin.argmin(axis=1)]
         upper = self._sq_dist(q64, rows, first) * (1.0 + 1e-12)
-
-        # eps_q: every float32 error between the computed bound and ||P^T(q - w)||^2 - ||P^T q||^2.
-        qn = np.sqrt(np.einsum("ij,ij->i", q64, q64))
-        reach = qn + self.max_norm
-        delta = st.delta_rel * reach  # ||rounding of P^T q|| + ||rounding of P^T w||
-        gemm = _gamma(st.k + 2, _U32) * (st.max_sq + 2.0 * np.sqrt(qk_sq) * self.max_norm)
-        eps = 2.0 * reach * delta + delta * delta + 2.0 * gemm + 1e-12 * reach * reach
         threshold = upper - qk_sq + eps
 
         hot = bmin <= threshold[:, None]
@@ -232,6 +326,14 @@ class ExactSearch:
             while e < rows.size and rows[e] == r and d2[e] <= d2[s] * (1.0 + _TIE_BAND) + 1e-300:
                 e += 1
             out[r] = _exact_argmin(q[r], self.vectors, cols[s:e])
+
+
+def _load_kernel() -> Any:
+    """The compiled kernel gaussdp._search, or None where it was not built (numpy path)."""
+    try:
+        return importlib.import_module("gaussdp._search")
+    except ImportError:
+        return None
 
 
 _BLAS_LOCK = threading.Lock()
