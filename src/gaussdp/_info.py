@@ -44,10 +44,11 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def c_kernel_status() -> tuple[bool, str]:
-    """Whether the compiled Box-Muller kernel ``gaussdp._gauss`` imports, and why not where it does not."""
+def c_kernel_status(module: str = "gaussdp._gauss") -> tuple[bool, str]:
+    """Whether a compiled kernel imports (the Box-Muller noise kernel ``gaussdp._gauss`` by default;
+    ``gaussdp._search``: exact nearest-word search), and why not where it does not."""
     try:
-        importlib.import_module("gaussdp._gauss")
+        importlib.import_module(module)
     except ImportError as exc:
         return False, f"not built ({exc})"
     return True, "built"
@@ -106,5 +107,9 @@ def environment_info() -> dict[str, Any]:
             for name, missing in ((name, missing_modules(name)) for name in EXTRAS)
         },
         "noise": noise_backends(),
+        "text_search_kernel": dict(
+            zip(("built", "detail"), c_kernel_status("gaussdp._search"), strict=True),
+            fallback="numpy (exact, slower) where the kernel is not built",
+        ),
         "accountants": accountants(),
     }

@@ -40,5 +40,10 @@ def info(json_output: bool = typer.Option(False, "--json", help="Print one JSON 
             "generator (reinstall with a C compiler and glibc's libmvec to build it)"
         )
     out.print(f"noise, torch DP-SGD default: {noise['torch_default_noise']}")
+    search = data["text_search_kernel"]
+    out.print(
+        "text, exact nearest-word search kernel (gaussdp._search): "
+        + ("built" if search["built"] else f"NOT built; {search['fallback']}")
+    )
     accs = ", ".join(a["name"] + ("" if a["upper_bound"] else " (approximate)") for a in data["accountants"])
     out.print(f"accountants: {accs}")
