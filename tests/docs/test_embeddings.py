@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -438,24 +437,42 @@ def test_sanitize_npy_paths(tmp_path):
     assert _no_leftovers(tmp_path, {"in.npy"})
 
 
-def test_sanitize_npy_memory_is_bounded_by_the_chunk(tmp_path, monkeypatch):
+_MEMORY_PROBE = """
+import json, sys, tracemalloc
+import gaussdp._npy_stream as stream
+from gaussdp.embeddings import sanitize_npy
+
+src, dst, chunk, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+seen = []
+real_clip_rows = stream.clip_rows
+
+def spy(x, c):
+    seen.append(x.shape[0])
+    return real_clip_rows(x, c)
+
+sanitize_npy(src, dst, epsilon=1.0, delta=1e-5, clip_norm=1.0, chunk_rows=chunk, workers=workers)
+stream.clip_rows = spy  # measured on the second call: lazy imports and caches are the first's
+tracemalloc.start()
+sanitize_npy(src, dst, epsilon=1.0, delta=1e-5, clip_norm=1.0, chunk_rows=chunk, workers=workers)
+peak = tracemalloc.get_traced_memory()[1]
+print(json.dumps({"peak": peak, "max_rows": max(seen), "rows": sum(seen)}))
+"""
+
+
+def test_sanitize_npy_memory_is_bounded_by_the_chunk(tmp_path):
     """By design: no step sees more than chunk_rows rows, and the heap peak does not grow with the file.
 
     The input is memory-mapped (pages of the kernel's page cache, dropped after each chunk; not
     counted by tracemalloc), so every allocation tracemalloc sees comes from the per-chunk work.
-    An 8x larger file must not raise the peak, which stays far below the file size.
+    An 8x larger file must not raise the peak, which stays far below the file size. Measured in a
+    fresh process: tracemalloc counts every thread's allocations, and threads other tests leave
+    running in this one would be counted too.
     """
-    import gaussdp._npy_stream as stream
+    import json
+    import subprocess
+    import sys
 
     cols, chunk = 128, 500
-    seen: list[int] = []
-    real_clip_rows = stream.clip_rows
-
-    def spy(x, c):
-        seen.append(x.shape[0])
-        return real_clip_rows(x, c)
-
-    monkeypatch.setattr(stream, "clip_rows", spy)
     file_bytes = 40_000 * cols * 4
     for workers in (1, 2):
         peaks = {}
@@ -463,16 +480,16 @@ def test_sanitize_npy_memory_is_bounded_by_the_chunk(tmp_path, monkeypatch):
             src, dst = tmp_path / f"in{rows}.npy", tmp_path / f"out{rows}.npy"
             if not src.exists():
                 _make_npy(src, rows=rows, cols=cols)
-            seen.clear()
-            tracemalloc.start()
-            try:
-                sanitize_npy(
-                    src, dst, epsilon=1.0, delta=1e-5, clip_norm=1.0, chunk_rows=chunk, workers=workers
-                )
-                peaks[rows] = tracemalloc.get_traced_memory()[1]
-            finally:
-                tracemalloc.stop()
-            assert max(seen) == chunk and sum(seen) == rows
+            probe = subprocess.run(
+                [sys.executable, "-c", _MEMORY_PROBE, str(src), str(dst), str(chunk), str(workers)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=True,
+            )
+            out = json.loads(probe.stdout.strip().splitlines()[-1])
+            assert out["max_rows"] == chunk and out["rows"] == rows
+            peaks[rows] = out["peak"]
         # An 8x larger file does not raise the peak; the peak is a fraction of the file.
         assert peaks[40_000] < 1.25 * peaks[5_000] + 64 * 1024, (workers, peaks)
         assert peaks[40_000] < file_bytes / 2, (workers, peaks)
