@@ -262,3 +262,19 @@ def test_inference_report_json(tmp_path: Path) -> None:
     assert [p["epsilon_per_token"] for p in data["points"]] == pytest.approx([1.0, 100.0])
     assert all(p["clip_norm"] == 0.5 for p in data["points"])
     assert png.is_file() and "0.00527" in res.stderr  # the human report went to stderr
+
+
+def test_piped_output_keeps_lines_whole_but_rules_readable() -> None:
+    """Off a terminal text never wraps, while a section rule is RULE_WIDTH columns, not PIPE_WIDTH."""
+    import io
+
+    pytest.importorskip("rich")
+    from gaussdp.cli._output import PIPE_WIDTH, RULE_WIDTH, make_console
+
+    buf = io.StringIO()
+    console = make_console(file=buf)
+    console.rule("section")
+    console.print("word " * 100)
+    rule, text = buf.getvalue().splitlines()[:2]
+    assert len(rule) == RULE_WIDTH < PIPE_WIDTH and "section" in rule
+    assert text.strip() == ("word " * 100).strip()  # one line, not wrapped at 80 columns

@@ -24,11 +24,21 @@ EXIT_USAGE = 2
 EXIT_REFUSED = 3
 
 PIPE_WIDTH = 4096  # columns of a console writing to a pipe or file: wide enough that nothing wraps
+RULE_WIDTH = 100  # a section rule off a terminal: a line of this many columns, not PIPE_WIDTH
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 success; 1 internal error; 2 bad arguments or input; 3 refused by the privacy budget. "
     "Errors go to stderr; --json output goes to stdout."
 )
+
+
+class _PipeConsole(Console):
+    """Off a terminal: section rules keep a readable width while text and tables never wrap."""
+
+    def rule(self, *args: Any, **kwargs: Any) -> None:
+        from rich.rule import Rule
+
+        self.print(Rule(*args, **kwargs), width=RULE_WIDTH)
 
 
 def make_console(**options: Any) -> Console:
@@ -39,6 +49,8 @@ def make_console(**options: Any) -> Console:
     """
     options.setdefault("highlight", False)
     out = Console(**options)
+    if not out.is_terminal and "width" not in options:
+        out = _PipeConsole(**options)
     if not out.is_terminal:
         out.soft_wrap = True
         if "width" not in options:

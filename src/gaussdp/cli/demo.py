@@ -30,8 +30,6 @@ def register(app: typer.Typer) -> None:
         only: str = typer.Option("", help="Run only sections whose title contains this text."),
     ) -> None:
         """Run the tour of gaussdp: every section prints what it did and the true epsilon spent."""
-        from rich.rule import Rule
-
         from gaussdp.cli._output import make_console
 
         console = make_console()
@@ -39,8 +37,8 @@ def register(app: typer.Typer) -> None:
         for title, target in _SECTIONS:
             if only and only.lower() not in title.lower():
                 continue
-            console.print(Rule(f"[bold]{title}"))
+            console.rule(f"[bold]{title}")
             module_name, func_name = target.split(":")
             getattr(importlib.import_module(module_name), func_name)(console, out_dir)
-        console.print(Rule("[bold]done"))
+        console.rule("[bold]done")
         console.print(f"Files written under {out_dir}/")
