@@ -110,3 +110,17 @@ def test_cancel_queued_at_once_running_at_next_step(store: JobStore) -> None:
     assert store.request_cancel("other-tenant", "job_r") is None
     assert store.finish("job_r", "w", "cancelled")
     assert store.job("t", "job_r").state == "cancelled"
+
+
+def test_lists_are_bounded_to_the_newest_rows(store: JobStore) -> None:
+    """A tenant with many corpora and jobs gets the newest ``limit`` of each, oldest first."""
+    from gaussdp.service.jobs import CorpusRow
+
+    for i in range(12):
+        store.add_job(_job(f"job_{i:02d}", created=1000.0 + i))
+        store.add_corpus(
+            CorpusRow(f"corpus_{i:02d}", "t", "c", "lines", 1, 1, "ab", None, "/nowhere", 1000.0 + i)
+        )
+    assert [j.id for j in store.jobs("t", 3)] == ["job_09", "job_10", "job_11"]
+    assert [c.id for c in store.corpora("t", 3)] == ["corpus_09", "corpus_10", "corpus_11"]
+    assert len(store.jobs("t")) == len(store.corpora("t")) == 12  # no limit: the store's own callers

@@ -97,6 +97,9 @@ from gaussdp.text.vocabulary import vocabulary_id
 
 __all__ = ["CORPORA_PATH", "MAX_CORPUS_BYTES", "make_finetune_router", "vocabulary_id"]
 
+LIST_DEFAULT_LIMIT = 100
+# A list answer is bounded whatever a tenant has stored: the newest ``limit`` rows.
+ListLimit = Annotated[int, Query(ge=1, le=1000, description="How many of the most recent to list.")]
 MAX_CORPUS_BYTES = MAX_INPUT_BYTES  # 20,000,000 bytes (decimal 20 MB), as gaussdp.text's input limit
 CORPORA_PATH = "/v1/corpora"
 SSE_POLL_S = 0.5
@@ -245,9 +248,9 @@ def make_finetune_router(
         return _corpus_out(row)
 
     @api.get(CORPORA_PATH, response_model=list[CorpusOut], responses=error_responses(401, 403, 429, 503))
-    def list_corpora(who: Who) -> list[CorpusOut]:
-        """This tenant's corpora, oldest first."""
-        return [_corpus_out(c) for c in jobs.corpora(who.tenant)]
+    def list_corpora(who: Who, limit: ListLimit = LIST_DEFAULT_LIMIT) -> list[CorpusOut]:
+        """This tenant's most recent corpora (``limit``, at most 1000), oldest first."""
+        return [_corpus_out(c) for c in jobs.corpora(who.tenant, limit)]
 
     @api.get(
         CORPORA_PATH + "/{corpus_id}",
@@ -344,9 +347,9 @@ def make_finetune_router(
             return _job_out(jobs.job(who.tenant, job_id) or row, plan)
 
     @api.get("/v1/finetune-jobs", response_model=list[JobOut], responses=error_responses(401, 403, 429, 503))
-    def list_jobs(who: Who) -> list[JobOut]:
-        """This tenant's jobs, oldest first."""
-        return [_job_out(j) for j in jobs.jobs(who.tenant)]
+    def list_jobs(who: Who, limit: ListLimit = LIST_DEFAULT_LIMIT) -> list[JobOut]:
+        """This tenant's most recent jobs (``limit``, at most 1000), oldest first."""
+        return [_job_out(j) for j in jobs.jobs(who.tenant, limit)]
 
     @api.get(
         "/v1/finetune-jobs/{job_id}",

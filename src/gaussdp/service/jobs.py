@@ -249,12 +249,21 @@ class JobStore:
             ).fetchone()
         return None if r is None else _corpus(r)
 
-    def corpora(self, tenant: str) -> list[CorpusRow]:
+    def corpora(self, tenant: str, limit: int | None = None) -> list[CorpusRow]:
+        """The tenant's corpora, oldest first (only the newest ``limit`` when given)."""
         with self._tx() as x:
-            rows = x(
-                f"SELECT {_CORPUS_COLUMNS} FROM {{p}}gdp_corpora WHERE tenant = ? ORDER BY created_at, id",
-                (tenant,),
-            ).fetchall()
+            if limit is None:
+                rows = x(
+                    f"SELECT {_CORPUS_COLUMNS} FROM {{p}}gdp_corpora WHERE tenant = ? "
+                    "ORDER BY created_at, id",
+                    (tenant,),
+                ).fetchall()
+            else:
+                rows = x(
+                    f"SELECT {_CORPUS_COLUMNS} FROM {{p}}gdp_corpora WHERE tenant = ? "
+                    "ORDER BY created_at DESC, id DESC LIMIT ?",
+                    (tenant, int(limit)),
+                ).fetchall()[::-1]
         return [_corpus(r) for r in rows]
 
     def delete_corpus(self, tenant: str, corpus_id: str) -> CorpusRow | None:
@@ -309,9 +318,16 @@ class JobStore:
                 ).fetchone()
         return None if r is None else _job(r)
 
-    def jobs(self, tenant: str | None = None) -> list[JobRow]:
+    def jobs(self, tenant: str | None = None, limit: int | None = None) -> list[JobRow]:
+        """Jobs (the tenant's, or every tenant's), oldest first (only the newest ``limit`` when given)."""
         with self._tx() as x:
-            if tenant is None:
+            if tenant is not None and limit is not None:
+                rows = x(
+                    f"SELECT {_JOB_COLUMNS} FROM {{p}}gdp_finetune_jobs WHERE tenant = ? "
+                    "ORDER BY created_at DESC, id DESC LIMIT ?",
+                    (tenant, int(limit)),
+                ).fetchall()[::-1]
+            elif tenant is None:
                 rows = x(
                     f"SELECT {_JOB_COLUMNS} FROM {{p}}gdp_finetune_jobs ORDER BY created_at, id", ()
                 ).fetchall()
