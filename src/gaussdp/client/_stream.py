@@ -54,7 +54,15 @@ class TokenStream(Iterator[Token]):
         if self._done:
             raise StopIteration
         if self._asked:  # the consumer wants one more: acknowledge what was received
-            self._send({"ack": len(self.tokens)})
+            from websockets.exceptions import ConnectionClosed
+
+            try:
+                self._ws.send(json.dumps({"ack": len(self.tokens)}))
+            except ConnectionClosed:
+                pass  # the server ended the stream (e.g. 4402): its last message is still to be read
+            except Exception as exc:
+                self._abandon()
+                raise ConnectionFailed(f"the stream's connection broke: {exc}") from exc
         self._asked = True
         message = self._receive()
         if message.get("type") == "token":
@@ -63,13 +71,6 @@ class TokenStream(Iterator[Token]):
             return token
         self._finish(message)
         raise StopIteration
-
-    def _send(self, message: dict[str, Any]) -> None:
-        try:
-            self._ws.send(json.dumps(message))
-        except Exception as exc:
-            self._abandon()
-            raise ConnectionFailed(f"the stream's connection broke: {exc}") from exc
 
     def _receive(self) -> dict[str, Any]:
         from websockets.exceptions import ConnectionClosed
