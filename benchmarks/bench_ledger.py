@@ -4,8 +4,9 @@ Run: ``.venv/bin/python benchmarks/bench_ledger.py [--seconds 3] [--clients 8] [
 
 First a table: charges/s and p99 latency of ``Ledger.charge`` beside a *raw transaction with the same
 durable writes* (the upsert of the grouped count and the insert of the charge row, one transaction,
-no privacy logic; on PostgreSQL also the principal's row lock and the history read that any correct
-charge needs, in one round trip as the ledger's charge: see ``_RawPostgres``),
+no privacy logic), plus the principal's lock and the history read after it that any correct charge
+needs (on PostgreSQL in one round trip as the ledger's charge; see ``_RawSQLite``, ``_RawPostgres``;
+``--raw writes`` drops the lock's read and the history read, a lighter baseline than any charge),
 measured in the same run, interleaved row by row, for 1 thread, ``--clients`` threads and
 ``--procs`` processes, with one event and with 3 mixed events (each client cycles through them), on
 SQLite (WAL, ``synchronous=full``: one fsync per charge) and PostgreSQL. Each
@@ -47,7 +48,7 @@ from gaussdp.budget import Budget, Ledger
 EVENT = GaussianEvent(noise_multiplier=1000.0)  # tiny spend: the budget never binds during a run
 MIXED = [GaussianEvent(noise_multiplier=m) for m in (1000.0, 1100.0, 1200.0)]
 BUDGET = Budget(epsilon=1e4, delta=1e-5)
-PG_RAW_WORK = ["charge"]  # --pg-raw: what the raw PostgreSQL transaction does (see _RawPostgres)
+RAW_WORK = ["charge"]  # --raw: what the raw transaction does (see _RawSQLite, _RawPostgres)
 
 
 def _run_clients(clients: int, seconds: float, one: Callable[[int], None]) -> tuple[float, np.ndarray]:
@@ -139,23 +140,35 @@ def bench_http(url: str, clients: int, seconds: float) -> tuple[float, np.ndarra
 
 
 class _RawSQLite:
-    """The ledger's durable writes on SQLite, with nothing else: BEGIN IMMEDIATE; upsert; insert; COMMIT."""
+    """A raw charge on SQLite, no privacy logic.
 
-    def __init__(self, url: str, lock: threading.Lock) -> None:
-        import sqlite3
+    ``work="charge"`` (default): what any correct charge must do: ``BEGIN IMMEDIATE`` (the write lock
+    first); read the principal's grouped history *after* the lock (a charge decides on it: reading
+    it before the lock lets two writers spend the same remainder); upsert the grouped count; insert
+    the charge row; ``COMMIT``. The same statements as the PostgreSQL baseline, and as the ledger.
+    ``work="writes"``: the two writes only (the baseline of earlier runs: no read, lighter than any
+    correct charge, so not an equal-work comparison).
+    """
 
+    def __init__(self, url: str, lock: threading.Lock, work: str = "charge") -> None:
         from gaussdp.budget.sqlite import SQLiteStore
 
         store = SQLiteStore.from_url(url)  # same file, pragmas and schema as the ledger's
         self._conn = store._connect()
         self._lock = lock
-        self._sqlite3 = sqlite3
+        self._read = work == "charge"
 
     def charge(self, principal: str, key: str) -> None:
         with self._lock:
             c = self._conn
             c.execute("BEGIN IMMEDIATE")
             try:
+                if self._read:
+                    c.execute(
+                        "SELECT p.epsilon, s.event_key, s.count FROM gdp_principals p "
+                        "LEFT JOIN gdp_spent s ON s.principal = p.principal WHERE p.principal = ?",
+                        (principal,),
+                    ).fetchall()
                 c.execute(
                     "INSERT INTO gdp_spent (principal, event_key, count) VALUES (?, ?, 1) "
                     "ON CONFLICT (principal, event_key) DO UPDATE SET count = count + 1",
@@ -252,9 +265,9 @@ def _worker(kind: str, url: str, names: list[str], events: list[Any], seconds: f
             ledger.open(p, BUDGET)
     raws: list[Any] = []
     if url.startswith("sqlite"):
-        raws = [_RawSQLite(url, lock) for _ in names]
+        raws = [_RawSQLite(url, lock, RAW_WORK[0]) for _ in names]
     else:
-        raws = [_RawPostgres(url, PG_RAW_WORK[0]) for _ in names]
+        raws = [_RawPostgres(url, RAW_WORK[0]) for _ in names]
     for i, p in enumerate(names):
         for k in keys:
             raws[i].charge(p, k)
@@ -432,14 +445,16 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=4, help="processes in the ledger-vs-raw table")
     ap.add_argument("--table-only", action="store_true", help="print the ledger-vs-raw table only")
     ap.add_argument(
+        "--raw",
         "--pg-raw",
+        dest="raw",
         choices=("charge", "writes"),
         default="charge",
-        help="the raw PostgreSQL transaction: lock + history read + writes (default, what a correct "
-        "charge needs), or the writes only (lighter than any correct charge)",
+        help="the raw transaction: lock + history read + writes (default, what a correct charge "
+        "needs), or the writes only (lighter than any correct charge)",
     )
     args = ap.parse_args()
-    PG_RAW_WORK[0] = args.pg_raw
+    RAW_WORK[0] = args.raw
     tmp = Path(tempfile.mkdtemp(prefix="gaussdp-bench-"))
     print(
         f"load average before the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; "

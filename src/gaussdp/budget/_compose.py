@@ -46,15 +46,37 @@ MAX_COUNT = 2**31
 GROWTH_CPU_S = 0.2
 
 
+_SCALARS = (str, int, float, bool, type(None))
+# event_key of recently seen immutable events, by identity: (event, key). The event is held so that
+# its id is not reused while it is here; bounded like the ledger's other caches.
+_KEYS: dict[int, tuple[Any, str]] = {}
+_MAX_KEYS = 1024
+
+
 def event_key(event: Any) -> str:
-    """Canonical JSON of ``event.to_dict()``: equal events give equal keys (the store groups by it)."""
+    """Canonical JSON of ``event.to_dict()``: equal events give equal keys (the store groups by it).
+
+    Remembered for the same event object when it cannot change (a frozen dataclass of scalars, as
+    every Gaussian event is): a mechanism charged again and again is serialised once.
+    """
+    hit = _KEYS.get(id(event))
+    if hit is not None and hit[0] is event:
+        return hit[1]
     to_dict = getattr(event, "to_dict", None)
     if not callable(to_dict):
         raise TypeError(
             f"event must be a gaussdp.accounting event with to_dict(), got event={event!r} "
             f"({type(event).__name__})"
         )
-    return json.dumps(to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    key = json.dumps(to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    params = getattr(event, "__dataclass_params__", None)
+    fields = getattr(event, "__dict__", None)
+    frozen = params is not None and params.frozen
+    if frozen and fields and all(isinstance(v, _SCALARS) for v in fields.values()):
+        if len(_KEYS) >= _MAX_KEYS:
+            _KEYS.clear()
+        _KEYS[id(event)] = (event, key)
+    return key
 
 
 def within(history: dict[str, int], box: dict[str, int]) -> bool:
@@ -63,8 +85,19 @@ def within(history: dict[str, int], box: dict[str, int]) -> bool:
 
 
 def event_dict(key: str) -> dict[str, Any]:
+    """The event's dict from its key: a new dict on every call (a caller may change it)."""
+    flat = _flat_event(key)
+    if flat is not None:
+        return dict(flat)
     out: dict[str, Any] = json.loads(key)
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _flat_event(key: str) -> dict[str, Any] | None:
+    """The parsed key when every value is a scalar (a copy of it is then a full copy), else None."""
+    out: dict[str, Any] = json.loads(key)
+    return out if all(isinstance(v, _SCALARS) for v in out.values()) else None
 
 
 class Composer:

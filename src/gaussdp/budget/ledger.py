@@ -129,8 +129,11 @@ class Ledger:
         self._sketches = {n: LinearSketch(n, parse) for n in ("rdp", "basic", "advanced")}
         self._live_pld = LivePLD(parse)
         self._rows: dict[str, PrincipalRow] = {}
-        # Per principal, the history this process last saw (only a cache-warming hint, never trusted).
+        # Per principal, the history this process last saw: a hint, trusted only where the store
+        # confirms it under its lock (charge_next's total, charge_fast's fingerprint).
         self._last_groups: dict[str, dict[str, int]] = {}
+        self._charge_next = getattr(self.store, "charge_next", None)
+        self._charge_fast = getattr(self.store, "charge_fast", None)
         # Per principal, the last certified box (valid for any history: see budget/_compose.py).
         self._boxes: dict[str, tuple[PrincipalRow, dict[str, int]]] = {}
         if policy == "warn":
@@ -250,23 +253,19 @@ class Ledger:
         # Decide outside the store's lock, from the last history this process saw (or a snapshot):
         # counts only grow, so that history is at or below the one the lock will show.
         last = self._last_groups.get(principal)
+        cached = self._boxes.get(principal)
+        if last is not None and cached is not None and (cached[0] is row or cached[0] == row):
+            known = self._charge_known(principal, key, last, cached[1], idempotency_key, key_id)
+            if known is not None:
+                return known
         plan = self._plan(principal, row, last if last is not None else self.store.groups(principal), key)
+        if last is not None and plan.box is not None and (cached is None or plan.box is not cached[1]):
+            known = self._charge_known(principal, key, last, plan.box, idempotency_key, key_id)
+            if known is not None:
+                return known
         after: dict[str, dict[str, int]] = {}
         stored = None
-        fast = getattr(self.store, "charge_fast", None)
-        box = plan.box
-        if fast is not None and last is not None and box is not None and key in box:
-            # Stores that can check "same other events, count + 1 <= allowed" under the lock in one
-            # round trip; anything else (changed history, exhaustion, warn) takes the general path.
-            others = tuple(sorted((k, c) for k, c in last.items() if k != key))
-            if all(c <= box.get(k, 0) for k, c in others):
-                done = fast(principal, key, idempotency_key, others, box[key], key_id=key_id)
-                if done is not None:
-                    stored, count = done
-                    if not stored.replayed:
-                        after["groups"] = {**dict(others), key: count}
-                        self._hint(principal, after["groups"])
-        for _ in range(_MAX_ATTEMPTS if stored is None else 0):
+        for _ in range(_MAX_ATTEMPTS):
             try:
                 stored = self.store.charge(
                     principal,
@@ -292,6 +291,46 @@ class Ledger:
             warnings.warn(msg, PrivacyWarning, stacklevel=2)
         composed = None if stored.replayed else tuple(sorted(after["groups"].items()))
         return _receipt(stored, composed)
+
+    def _charge_known(
+        self,
+        principal: str,
+        key: str,
+        last: dict[str, int],
+        box: dict[str, int],
+        idempotency_key: str | None,
+        key_id: str | None,
+    ) -> Receipt | None:
+        """The common charge in one statement, or None for the general path of :meth:`charge`.
+
+        Where the certified ``box`` covers the history after the charge (``last`` plus one ``key``),
+        stores that re-check under their lock that the history is still ``last`` write the charge in
+        one statement: SQLite's ``charge_next`` by the principal's total (counts only grow),
+        PostgreSQL's ``charge_fast`` by a fingerprint of the other events and the event's own count
+        against the box. Anything else (a moved history; a used idempotency key on SQLite) answers
+        None, having written nothing.
+        """
+        new = {**last, key: last.get(key, 0) + 1}
+        if not within(new, box):
+            return None
+        if self._charge_next is not None:
+            stored = self._charge_next(principal, key, idempotency_key, sum(new.values()), key_id=key_id)
+            if stored is None:
+                return None
+            self._hint(principal, new)
+            return _receipt(stored, tuple(sorted(new.items())))
+        if self._charge_fast is None:
+            return None
+        others = tuple(sorted((k, c) for k, c in last.items() if k != key))
+        done = self._charge_fast(principal, key, idempotency_key, others, box[key], key_id=key_id)
+        if done is None:
+            return None
+        charged, count = done
+        if charged.replayed:
+            return _receipt(charged, None)
+        groups = {**dict(others), key: count}
+        self._hint(principal, groups)
+        return _receipt(charged, tuple(sorted(groups.items())))
 
     def _hint(self, principal: str, groups: dict[str, int]) -> None:
         if len(self._last_groups) >= _MAX_HINTS:

@@ -5,6 +5,13 @@ write lock is taken *before* the history is read, so two processes can never bot
 history and both spend the last of a budget), ``busy_timeout`` so that contending writers queue
 instead of failing, and ``synchronous=FULL`` by default so that a committed charge survives a power
 cut, not only a process crash.
+
+The common charge is one statement: where the ledger already knows the principal's history (it
+charged it last) and its certified box covers the charge, :meth:`SQLiteStore.charge_next` inserts
+the charge numbered one past that history's total, and the triggers of migration 0005 check the
+number against the grouped counts under the write lock and add the charge to them, in the same
+implicit transaction. A number that does not match (another process charged meanwhile) writes
+nothing and the charge takes the general transaction above.
 """
 
 from __future__ import annotations
@@ -37,6 +44,12 @@ __all__ = ["SQLiteStore"]
 
 
 _KEY_COLUMNS = "SELECT key_id, tenant, key_hash, created_at, revoked, scopes, expires_at FROM gdp_api_keys"
+# A charge row with its number within its principal; the triggers of migration 0005 check the number
+# and add the charge to gdp_spent in the same statement.
+_INSERT_CHARGE = (
+    "INSERT INTO gdp_charges (principal, event_key, idempotency_key, created_at, within_budget, key_id, seq)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
 
 
 class SQLiteStore:
@@ -229,16 +242,10 @@ class SQLiteStore:
                 groups = {r[4]: r[5] for r in rows if r[4] is not None}
                 within = decide(row, groups)  # may raise: the ROLLBACK below records nothing
                 now = time.time()
-                conn.execute(
-                    "INSERT INTO gdp_spent (principal, event_key, count) VALUES (?, ?, 1) "
-                    "ON CONFLICT (principal, event_key) DO UPDATE SET count = count + 1",
-                    (principal, event_key),
-                )
+                # the charge's number and, by the triggers of migration 0005, its grouped count
+                seq = sum(groups.values()) + 1
                 cur = conn.execute(
-                    "INSERT INTO gdp_charges "
-                    "(principal, event_key, idempotency_key, created_at, within_budget, key_id)"
-                    " VALUES (?, ?, ?, ?, ?, ?)",
-                    (principal, event_key, idempotency_key, now, int(within), key_id),
+                    _INSERT_CHARGE, (principal, event_key, idempotency_key, now, int(within), key_id, seq)
                 )
                 charge_id = cur.lastrowid
                 conn.execute("COMMIT")
@@ -249,6 +256,40 @@ class SQLiteStore:
         if charge_id is None:  # a database fault
             raise RuntimeError(f"the charge of {principal!r} was committed without a charge id")
         return StoredCharge(charge_id, principal, event_key, idempotency_key, now, within, key_id=key_id)
+
+    def charge_next(
+        self,
+        principal: str,
+        event_key: str,
+        idempotency_key: str | None,
+        seq: int,
+        key_id: str | None = None,
+    ) -> StoredCharge | None:
+        """Charge if the principal has exactly ``seq - 1`` charges (the history the caller decided on).
+
+        One ``INSERT`` in its own transaction: the triggers of migration 0005 check ``seq`` against
+        the grouped counts under the write lock and add the charge to them. Returns None, having
+        written nothing, where the general :meth:`charge` must decide: the history moved, the
+        idempotency key was used before, or the principal is unknown.
+        """
+        now = time.time()
+        with self._write_lock:
+            try:
+                conn = self._pool.get_nowait()
+            except queue.Empty:
+                conn = self._connect()
+            try:
+                cur = conn.execute(
+                    _INSERT_CHARGE, (principal, event_key, idempotency_key, now, 1, key_id, int(seq))
+                )
+            except sqlite3.IntegrityError:
+                return None
+            finally:
+                self._pool.put(conn)
+        charge_id = cur.lastrowid
+        if charge_id is None:  # a database fault
+            raise RuntimeError(f"the charge of {principal!r} was committed without a charge id")
+        return StoredCharge(charge_id, principal, event_key, idempotency_key, now, True, key_id=key_id)
 
     def history(self, principal: str, limit: int | None = None) -> list[StoredCharge]:
         with self._conn() as conn:
