@@ -304,6 +304,8 @@ class ConvPart:
         self.groups = groups
         self.kernel = tuple(shape[2:])
         self._ps: torch.Tensor | None = None
+        # True where _ps holds each G_i transposed, (B, groups, C_in k / groups, C_out / groups)
+        self._ps_t = False
         self._sq: torch.Tensor | None = None
 
     @property
@@ -342,8 +344,11 @@ class ConvPart:
         if self.groups * per_group <= (self.a[0].numel() + self.b[0].numel()):
             return "keep"
         kk = math.prod(self.kernel)
+        # the grouped convolution forms G_i with no patch copy, and runs its flops about twice as
+        # fast as the small batched Gram products on the patches: mnist CNN (bench_dpsgd (d)),
+        # second convolution (T = 25): norms 7 us per sample against 18 us by the Gram identity
         costs = {
-            "build": t * per_group,
+            "build": t * per_group * (0.5 if self._grouped(self.a) else 1.0),
             "gram": t * t * (k + c) * (0.75 if t >= 16 else 1.0) + t * k,
             "input-gram": (k // kk) * self._positions() ** 2 + (kk + c) * t * t,
         }
@@ -375,7 +380,9 @@ class ConvPart:
         # patches' (no patch matrix is formed), so twice the samples keep them near the budget
         step = self._chunks(route) * (2 if grouped else 1)
         sq = torch.empty(n, dtype=a.dtype, device=a.device)
-        ps = torch.empty(n, *self.shape, dtype=a.dtype, device=a.device) if route == "keep" else None
+        ps = None
+        if route == "keep":  # from the patches, G_i^T is formed (see below) and kept so
+            ps = torch.empty(n, *((self.shape) if grouped else (g, k, c)), dtype=a.dtype, device=a.device)
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             m = hi - lo
@@ -393,38 +400,65 @@ class ConvPart:
             if route == "gram":
                 sq[lo:hi] = _ghost_sq_norms(cols.transpose(1, 2), [grads.transpose(1, 2)]).view(m, g).sum(1)
             else:
-                out = None if ps is None else ps[lo:hi].view(m * g, c, k)
-                per = torch.bmm(grads, cols.transpose(1, 2), out=out)
+                # G_i^T = A_i B_i^T rather than G_i = B_i A_i^T: MKL runs this order faster where
+                # C_in k is small (cifar10 CNN's first convolution, k = 27, T = 1024: 22 against
+                # 39 us per sample), and no slower elsewhere measured; the norms do not mind
+                out = None if ps is None else ps[lo:hi].view(m * g, k, c)
+                per = torch.bmm(cols, grads.transpose(1, 2), out=out)
                 sq[lo:hi] = _sq(per.view(m, -1))
         self._sq = sq
         if ps is not None:  # the sum needs only G: the input and gradient are let go now
-            self._ps, self.a, self.b = ps, None, None  # type: ignore[assignment]
+            self._ps, self._ps_t, self.a, self.b = ps, not grouped, None, None  # type: ignore[assignment]
         return sq
 
     def _grouped(self, a: torch.Tensor) -> bool:
         """Whether ``G_i`` is formed by one grouped convolution (:meth:`_per_sample_grouped`)
         rather than from the patches (a strided copy of ``C_in k T`` values per sample, then a
-        batched matmul): in float32 on the CPU with oneDNN, for 2-d kernels, where the patches are
-        large (``T >= 128`` positions and ``C_in k / groups >= 64``), which is where the copy
-        dominates. Measured with one thread (``benchmarks/bench_dpsgd.py``, interleaved, loaded
-        machine): the cifar10 CNN's second convolution's gradients about 1.4x faster (step 1.34x
-        -> 1.28x plain), the mnist CNN's first a little; slower for the cifar10 CNN's first
-        (``C_in k = 27``) and for few positions (``T = 25, 64``), so those keep the patches."""
-        t, k, _ = self._dims()
+        batched matmul): in float32 on the CPU with oneDNN, for 2-d kernels with patches of
+        ``C_in k / groups >= 64``, where each sample's gradient is large (``C_in k C_out / groups^2
+        >= 4096``) over ``T >= 25`` positions, or where a group has one input channel (a forward
+        convolution then). Measured per sample with one thread (chunks of 32; patch copy + ``bmm``
+        against the grouped convolution), cifar10 CNN (``benchmarks/bench_dpsgd.py`` (e)): second
+        convolution (``C_in k = 288, C_out = 64, T = 256``) 130 against 57 us, third (576, 64, 64)
+        85 against 42; mnist CNN (d): second (256, 32, 25) 13 against 7, first (64, 16, 196, one
+        input channel) 10 against 8 (14 by the weight-gradient convolution). Slower where the
+        gradient is small, cifar10 first (27, 32, 1024) 25 against 55, or with few positions,
+        cifar10 fourth (576, 128, 16) 38 against 55."""
+        t, k, c = self._dims()
         return (
             a.dtype == torch.float32
             and a.device.type == "cpu"
             and len(self.kernel) == 2
-            and t >= 128
             and k >= 64
+            and ((k * c >= 4096 and t >= 25) or self.shape[1] == 1)
             and torch.backends.mkldnn.is_available()
             and bool(torch.backends.mkldnn.enabled)  # else a per-group loop: far slower
         )
 
     def _per_sample_grouped(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """``G_i`` for a chunk of samples as one weight-gradient convolution with the samples as
-        groups: the batch folded into the channels, ``groups`` times the chunk size."""
+        groups (a forward one where a group has a single input channel): the batch folded into the
+        channels, ``groups`` times the chunk size."""
         m, nd = a.shape[0], len(self.kernel)
+        if self.shape[1] == 1:
+            # one input channel per group: G_i is the correlation of that channel with each output
+            # gradient channel, a forward convolution with the gradients as kernels (stride and
+            # dilation swap roles), laid out as G already; oneDNN's forward kernel is the faster
+            # (mnist CNN's first convolution, 1 -> 16 channels, 8x8: 0.53 against 0.85 ms a batch)
+            s = torch.ops.aten.convolution(
+                a.reshape(1, -1, *a.shape[2:]),
+                b.reshape(-1, 1, *b.shape[2:]),
+                None,
+                self.dilation,
+                self.padding,
+                self.stride,
+                False,
+                (0,) * nd,
+                m * self.groups,
+            )
+            # positions past the kernel: the input's tail that the layer's stride never reached
+            s = s[(0, slice(None), *(slice(0, k) for k in self.kernel))].view(m, *self.shape)
+            return s.contiguous() if out is None else out.copy_(s)
         s = torch.ops.aten.convolution_backward(
             b.reshape(1, -1, *b.shape[2:]),
             a.reshape(1, -1, *a.shape[2:]),
@@ -471,6 +505,10 @@ class ConvPart:
 
     def weighted_sum(self, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``sum_i w_i G_i``; added in place into ``out`` when given (and ``out`` returned)."""
+        if self._ps is not None and self._ps_t:
+            ps = self._ps.flatten(1)
+            s = (w.to(ps.dtype) @ ps).view(self._ps.shape[1:]).transpose(1, 2)  # (groups, C_out / G, k)
+            return _into(out, s.reshape(self.shape))
         if self._ps is not None:
             return DensePart(self._ps, self.shape).weighted_sum(w, out)
         a, b = _acc(self.a), _acc(self.b)
@@ -496,6 +534,8 @@ class ConvPart:
         return _into(out, s)
 
     def materialise(self) -> torch.Tensor:
+        if self._ps is not None and self._ps_t:
+            return self._ps.transpose(2, 3).reshape(self._ps.shape[0], *self.shape)
         if self._ps is not None:
             return self._ps
         a, b = _acc(self.a), _acc(self.b)
