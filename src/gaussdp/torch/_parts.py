@@ -307,6 +307,7 @@ class ConvPart:
         # True where _ps holds each G_i transposed, (B, groups, C_in k / groups, C_out / groups)
         self._ps_t = False
         self._sq: torch.Tensor | None = None
+        self._blocks: list[tuple[tuple, tuple]] | None = None  # input-gram: (dst, src) per offset
 
     @property
     def batch_size(self) -> int:
@@ -345,8 +346,8 @@ class ConvPart:
             return "keep"
         kk = math.prod(self.kernel)
         # the grouped convolution forms G_i with no patch copy, and runs its flops about twice as
-        # fast as the small batched Gram products on the patches: mnist CNN (bench_dpsgd (d)),
-        # second convolution (T = 25): norms 7 us per sample against 18 us by the Gram identity
+        # fast as the small batched Gram products on the patches (mnist CNN, bench_dpsgd (d), second
+        # convolution alone: norms 7 us per sample against 18 us by the Gram identity)
         costs = {
             "build": t * per_group * (0.5 if self._grouped(self.a) else 1.0),
             "gram": t * t * (k + c) * (0.75 if t >= 16 else 1.0) + t * k,
@@ -416,21 +417,23 @@ class ConvPart:
         rather than from the patches (a strided copy of ``C_in k T`` values per sample, then a
         batched matmul): in float32 on the CPU with oneDNN, for 2-d kernels with patches of
         ``C_in k / groups >= 64``, where each sample's gradient is large (``C_in k C_out / groups^2
-        >= 4096``) over ``T >= 25`` positions, or where a group has one input channel (a forward
+        >= 4096``) over ``T >= 64`` positions, or where a group has one input channel (a forward
         convolution then). Measured per sample with one thread (chunks of 32; patch copy + ``bmm``
         against the grouped convolution), cifar10 CNN (``benchmarks/bench_dpsgd.py`` (e)): second
         convolution (``C_in k = 288, C_out = 64, T = 256``) 130 against 57 us, third (576, 64, 64)
-        85 against 42; mnist CNN (d): second (256, 32, 25) 13 against 7, first (64, 16, 196, one
-        input channel) 10 against 8 (14 by the weight-gradient convolution). Slower where the
-        gradient is small, cifar10 first (27, 32, 1024) 25 against 55, or with few positions,
-        cifar10 fourth (576, 128, 16) 38 against 55."""
+        85 against 42; mnist CNN (d) first (64, 16, 196, one input channel) 10 against 8 (14 by
+        the weight-gradient convolution). Slower where the gradient is small, cifar10 first (27,
+        32, 1024) 25 against 55, or with few positions, cifar10 fourth (576, 128, 16) 38 against
+        55. The mnist CNN's second (256, 32, 25) is faster alone (13 against 7, and 18 by the Gram
+        identity), but inside the step its 1 MiB temporaries made glibc hand pages back and fault
+        them in again (500-950 page faults a step, about 1 ms; none with the Gram identity)."""
         t, k, c = self._dims()
         return (
             a.dtype == torch.float32
             and a.device.type == "cpu"
             and len(self.kernel) == 2
             and k >= 64
-            and ((k * c >= 4096 and t >= 25) or self.shape[1] == 1)
+            and ((k * c >= 4096 and t >= 64) or self.shape[1] == 1)
             and torch.backends.mkldnn.is_available()
             and bool(torch.backends.mkldnn.enabled)  # else a per-group loop: far slower
         )
@@ -488,18 +491,22 @@ class ConvPart:
         x = a.reshape(mg, -1, math.prod(size))
         gx = torch.bmm(x.transpose(1, 2), x).view(mg, *size, *size)
         acc = torch.zeros(mg, *out, *out, dtype=gx.dtype, device=gx.device)
-        for o in itertools.product(*(range(k) for k in self.kernel)):
-            dst, src = [], []
-            for d in range(nd):
-                s, off = self.stride[d], o[d] * self.dilation[d] - self.padding[d]
-                lo = max(0, -(off // s))  # first output position reading inside the input
-                hi = min(out[d], (size[d] - 1 - off) // s + 1)
-                if hi <= lo:
-                    break  # this offset reads only padding
-                dst.append(slice(lo, hi))
-                src.append(slice(lo * s + off, (hi - 1) * s + off + 1, s))
-            else:
-                acc[(slice(None), *dst, *dst)] += gx[(slice(None), *src, *src)]
+        if self._blocks is None:  # the same for every chunk
+            self._blocks = []
+            for o in itertools.product(*(range(k) for k in self.kernel)):
+                dst, src = [], []
+                for d in range(nd):
+                    s, off = self.stride[d], o[d] * self.dilation[d] - self.padding[d]
+                    lo = max(0, -(off // s))  # first output position reading inside the input
+                    hi = min(out[d], (size[d] - 1 - off) // s + 1)
+                    if hi <= lo:
+                        break  # this offset reads only padding
+                    dst.append(slice(lo, hi))
+                    src.append(slice(lo * s + off, (hi - 1) * s + off + 1, s))
+                else:
+                    self._blocks.append(((slice(None), *dst, *dst), (slice(None), *src, *src)))
+        for dst_i, src_i in self._blocks:
+            acc[dst_i] += gx[src_i]
         gg = torch.bmm(grads.transpose(1, 2), grads)  # (m G, T, T)
         return (acc.view_as(gg) * gg).flatten(1).sum(1)
 
