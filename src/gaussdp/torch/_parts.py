@@ -11,7 +11,6 @@ Norms are accumulated in at least float32 whatever the input dtype (bf16 and fp1
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
@@ -307,7 +306,8 @@ class ConvPart:
         # True where _ps holds each G_i transposed, (B, groups, C_in k / groups, C_out / groups)
         self._ps_t = False
         self._sq: torch.Tensor | None = None
-        self._blocks: list[tuple[tuple, tuple]] | None = None  # input-gram: (dst, src) per offset
+        # input-gram: per spatial dimension, the (destination, source) slices of each kernel offset
+        self._blocks: list[list[tuple[tuple, tuple]]] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -484,29 +484,38 @@ class ConvPart:
         ``t s + o d - p``), where both positions fall inside the input; padding reads zeros, which
         add nothing, so the zero-padded input's larger Gram is never formed (cifar10 CNN, bench_dpsgd
         (e), third convolution, 8x8 input: 100^2 -> 64^2 entries per channel, norms 6.8 -> 3.8 ms).
-        Each offset adds one block: a slice of the Gram over the output positions whose patch
-        entry at that offset is inside the input, the same range for ``t`` and ``u``."""
+        The sum is separable: one spatial dimension at a time (the ``t`` and ``u`` copies of it go
+        from input to output positions), each offset along it adding one block, a slice over the
+        output positions whose patch entry at that offset is inside the input (the same range for
+        ``t`` and ``u``): ``sum_d k_d`` strided adds instead of ``prod_d k_d`` (3x3: 6 for 9; the
+        adds were 3.3 of the cifar10 CNN step's 5.8 ms in this function)."""
         mg, nd = grads.shape[0], len(self.kernel)
         size, out = tuple(a.shape[2:]), tuple(self.b.shape[2:])
         x = a.reshape(mg, -1, math.prod(size))
-        gx = torch.bmm(x.transpose(1, 2), x).view(mg, *size, *size)
-        acc = torch.zeros(mg, *out, *out, dtype=gx.dtype, device=gx.device)
+        cur = torch.bmm(x.transpose(1, 2), x).view(mg, *size, *size)
         if self._blocks is None:  # the same for every chunk
             self._blocks = []
-            for o in itertools.product(*(range(k) for k in self.kernel)):
-                dst, src = [], []
-                for d in range(nd):
-                    s, off = self.stride[d], o[d] * self.dilation[d] - self.padding[d]
+            for d in range(nd):
+                s, per = self.stride[d], []
+                for o in range(self.kernel[d]):
+                    off = o * self.dilation[d] - self.padding[d]
                     lo = max(0, -(off // s))  # first output position reading inside the input
                     hi = min(out[d], (size[d] - 1 - off) // s + 1)
                     if hi <= lo:
-                        break  # this offset reads only padding
-                    dst.append(slice(lo, hi))
-                    src.append(slice(lo * s + off, (hi - 1) * s + off + 1, s))
-                else:
-                    self._blocks.append(((slice(None), *dst, *dst), (slice(None), *src, *src)))
-        for dst_i, src_i in self._blocks:
-            acc[dst_i] += gx[src_i]
+                        continue  # this offset reads only padding
+                    dst, src = [slice(None)] * (1 + 2 * nd), [slice(None)] * (1 + 2 * nd)
+                    dst[1 + d] = dst[1 + nd + d] = slice(lo, hi)
+                    src[1 + d] = src[1 + nd + d] = slice(lo * s + off, (hi - 1) * s + off + 1, s)
+                    per.append((tuple(dst), tuple(src)))
+                self._blocks.append(per)
+        for d in range(nd):
+            shape = list(cur.shape)
+            shape[1 + d] = shape[1 + nd + d] = out[d]
+            nxt = torch.zeros(shape, dtype=cur.dtype, device=cur.device)
+            for dst, src in self._blocks[d]:
+                nxt[dst] += cur[src]
+            cur = nxt
+        acc = cur
         gg = torch.bmm(grads.transpose(1, 2), grads)  # (m G, T, T)
         return (acc.view_as(gg) * gg).flatten(1).sum(1)
 
