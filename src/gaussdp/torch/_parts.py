@@ -512,8 +512,8 @@ class ConvPart:
             shape = list(cur.shape)
             shape[1 + d] = shape[1 + nd + d] = out[d]
             nxt = torch.zeros(shape, dtype=cur.dtype, device=cur.device)
-            for dst, src in self._blocks[d]:
-                nxt[dst] += cur[src]
+            for into, read in self._blocks[d]:
+                nxt[into] += cur[read]
             cur = nxt
         acc = cur
         gg = torch.bmm(grads.transpose(1, 2), grads)  # (m G, T, T)
