@@ -615,7 +615,13 @@ def test_conv_transpose_output_padding_beyond_stride_refused():
         model(x).sum().backward()
 
 
-def test_norm_layers():
+@pytest.mark.parametrize("chunk", [None, 1], ids=["whole", "per-sample"])
+def test_norm_layers(monkeypatch, chunk):
+    """LayerNorm, RMSNorm, GroupNorm; GroupNorm's input normalised whole or one sample at a time."""
+    import gaussdp.torch._rules as rules
+
+    if chunk is not None:
+        monkeypatch.setattr(rules, "_NORM_CHUNK", chunk)
     torch.manual_seed(0)
     check(nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 2)), [torch.randn(5, 3, 4)])
     check(nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6, eps=1e-6), nn.Linear(6, 2)), [torch.randn(5, 3, 4)])
@@ -633,13 +639,17 @@ def test_norm_layers():
         (lambda: nn.InstanceNorm3d(4, affine=True), lambda: nn.Conv3d(2, 4, 2), (4, 2, 3, 4, 3)),
     ],
 )
-def test_instance_norm_affine(monkeypatch, norm, conv, shape):
+@pytest.mark.parametrize("chunk", [None, 1], ids=["whole", "per-sample"])
+def test_instance_norm_affine(monkeypatch, norm, conv, shape, chunk):
     import gaussdp.torch._clipper as clipper_mod
+    import gaussdp.torch._rules as rules
 
     def no_vmap(*a, **k):
         raise AssertionError("the closed-form rule was expected")
 
     monkeypatch.setattr(clipper_mod, "vmap_parts", no_vmap)
+    if chunk is not None:
+        monkeypatch.setattr(rules, "_NORM_CHUNK", chunk)
     torch.manual_seed(0)
     _conv_check(nn.Sequential(conv(), norm()), torch.randn(*shape))
 
