@@ -339,6 +339,9 @@ class ConvPart:
           sum over the ``k`` kernel offsets of shifted blocks of the input's Gram:
           ``C_in S^2 + (k + C_out) T^2`` for ``S`` input positions, no patch matrix at all); the
           sum is then the weight-gradient convolution.
+
+        Flops are weighed by measured rates: ``"build"`` at half where the grouped convolution
+        forms ``G_i`` (:meth:`_grouped`), ``"gram"`` at twice below 64 positions.
         """
         t, k, c = self._dims()
         per_group = k * c
@@ -387,7 +390,7 @@ class ConvPart:
         sq = torch.empty(n, dtype=a.dtype, device=a.device)
         ps = None
         if route == "keep":  # from the patches, G_i^T is formed (see below) and kept so
-            ps = torch.empty(n, *((self.shape) if grouped else (g, k, c)), dtype=a.dtype, device=a.device)
+            ps = torch.empty(n, *(self.shape if grouped else (g, k, c)), dtype=a.dtype, device=a.device)
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             m = hi - lo
