@@ -353,11 +353,7 @@ class ConvPart:
         # convolution alone: norms 7 us per sample against 18 us by the Gram identity)
         costs = {
             "build": t * per_group * (0.5 if self._grouped(self.a) else 1.0),
-            # below 64 positions the T x T Gram products are small GEMMs far from the batched
-            # matmul's rate: counted at twice their flops (mnist CNN's second convolution, T = 25:
-            # 18 us a sample by the Gram identity for 141k multiply-adds, 12 us building G_i for
-            # 205k, patch copy included; its step 1.70x -> 1.64x plain, interleaved)
-            "gram": (t * t * (k + c) * (0.75 if t >= 16 else 1.0) + t * k) * (2 if t < 64 else 1),
+            "gram": t * t * (k + c) * (0.75 if t >= 16 else 1.0) + t * k,
             "input-gram": (k // kk) * self._positions() ** 2 + (kk + c) * t * t,
         }
         return min(costs, key=costs.__getitem__)
