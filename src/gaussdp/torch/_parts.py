@@ -341,7 +341,10 @@ class ConvPart:
           sum is then the weight-gradient convolution.
 
         Flops are weighed by measured rates: ``"build"`` at half where the grouped convolution
-        forms ``G_i`` (:meth:`_grouped`), ``"gram"`` at twice below 64 positions.
+        forms ``G_i`` (:meth:`_grouped`). (Counting ``"gram"`` at twice its flops below 64
+        positions moved the mnist CNN's second convolution to ``"build"`` by ``bmm``: 0.01-0.02x
+        plain faster with a fixed malloc threshold, but 0.05 MiB more peak and page faults again
+        with glibc's default; not done.)
         """
         t, k, c = self._dims()
         per_group = k * c
