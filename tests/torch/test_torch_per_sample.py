@@ -541,10 +541,12 @@ def test_convolutions_match_the_loop(monkeypatch, make, shape, route):
     ("c_in", "c_out", "k", "size", "stride", "padding", "groups"),
     [(1, 16, 8, 28, 2, 3, 1), (32, 64, 3, 16, 1, 1, 1), (8, 8, 4, 18, 1, 2, 2)],
 )
-def test_conv_grouped_per_sample_gradients_float32(c_in, c_out, k, size, stride, padding, groups):
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "patches"])
+def test_conv_grouped_per_sample_gradients_float32(c_in, c_out, k, size, stride, padding, groups, grouped):
     """The float32 per-sample gradients formed by one grouped convolution (oneDNN where available,
-    as chosen for layers like the mnist CNN's first and the cifar10 CNN's second) against a float64
-    per-sample loop; the norms and the kept gradients' weighted sum too."""
+    as chosen for layers like the mnist CNN's second and the cifar10 CNN's second), or from the
+    patches (kept transposed), against a float64 per-sample loop; the norms and the kept
+    gradients' weighted sum too."""
     from gaussdp.torch._parts import ConvPart
 
     torch.manual_seed(0)
@@ -565,14 +567,16 @@ def test_conv_grouped_per_sample_gradients_float32(c_in, c_out, k, size, stride,
         x.float(), g.float(), conv.weight.shape, stride=conv.stride, padding=conv.padding,
         dilation=conv.dilation, groups=groups,
     )  # fmt: skip
-    assert part._grouped(part.a) == (k * k * c_in // groups >= 64 and part._dims()[0] >= 128)
-    part._grouped = lambda a: True  # type: ignore[method-assign]
+    patch, per_group = k * k * c_in // groups, c_out // groups
+    big = patch * per_group >= 4096 and part._dims()[0] >= 64
+    assert part._grouped(part.a) == (patch >= 64 and (big or c_in // groups == 1))
+    part._grouped = lambda a: grouped  # type: ignore[method-assign]
     part.route = lambda: "keep"  # type: ignore[method-assign]
     sq = part.sq_norms()
     torch.testing.assert_close(sq.double(), ref.flatten(1).square().sum(1), rtol=1e-5, atol=1e-6)
-    assert part._ps is not None and part._ps.dtype == torch.float32
+    assert part._ps is not None and part._ps.dtype == torch.float32 and part._ps_t == (not grouped)
     # float32 sums of up to 256 products of unit normals (entries of size about 16)
-    torch.testing.assert_close(part._ps.double(), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(part.materialise().double(), ref, rtol=1e-4, atol=1e-4)
     w = torch.rand(b, dtype=torch.float64)
     torch.testing.assert_close(part.weighted_sum(w.float()).double(), (w.view(-1, 1, 1, 1, 1) * ref).sum(0),
                                rtol=1e-4, atol=1e-4)  # fmt: skip
@@ -583,16 +587,21 @@ def test_conv_cost_model_routes():
     cheapest of the Gram identity on the patches or on the input, and building them."""
     from gaussdp.torch._parts import ConvPart
 
-    def part(c_in, c_out, k, size, stride=1):
-        x = torch.randn(2, c_in, size, size)
+    def part(c_in, c_out, k, size, stride=1, dtype=torch.float32):
+        x = torch.randn(2, c_in, size, size, dtype=dtype)
         out = (size - k) // stride + 1
-        g = torch.randn(2, c_out, out, out)
+        g = torch.randn(2, c_out, out, out, dtype=dtype)
         w = torch.Size((c_out, c_in, k, k))
         return ConvPart(x, g, w, stride=(stride, stride), padding=(0, 0), dilation=(1, 1), groups=1)
 
     assert part(3, 8, 3, 32).route() == "keep"  # small weight: kept
     assert part(64, 128, 3, 6).route() == "input-gram"  # few positions, big weight: Gram of the input
     assert part(16, 32, 4, 13, stride=2).route() == "gram"  # stride 2: the input has 4x more positions
+    # in float32 on the CPU the grouped convolution builds per-sample gradients at about twice the
+    # flop rate of the Gram products: preferred where it is not twice the flops
+    grouped = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+    assert part(32, 64, 3, 12).route() == ("build" if grouped else "input-gram")
+    assert part(32, 64, 3, 12, dtype=torch.float64).route() == "input-gram"
 
 
 def test_conv_transpose_output_padding_beyond_stride_refused():
@@ -606,7 +615,13 @@ def test_conv_transpose_output_padding_beyond_stride_refused():
         model(x).sum().backward()
 
 
-def test_norm_layers():
+@pytest.mark.parametrize("chunk", [None, 1], ids=["whole", "per-sample"])
+def test_norm_layers(monkeypatch, chunk):
+    """LayerNorm, RMSNorm, GroupNorm; GroupNorm's input normalised whole or one sample at a time."""
+    import gaussdp.torch._rules as rules
+
+    if chunk is not None:
+        monkeypatch.setattr(rules, "_NORM_CHUNK", chunk)
     torch.manual_seed(0)
     check(nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 2)), [torch.randn(5, 3, 4)])
     check(nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6, eps=1e-6), nn.Linear(6, 2)), [torch.randn(5, 3, 4)])
@@ -624,13 +639,17 @@ def test_norm_layers():
         (lambda: nn.InstanceNorm3d(4, affine=True), lambda: nn.Conv3d(2, 4, 2), (4, 2, 3, 4, 3)),
     ],
 )
-def test_instance_norm_affine(monkeypatch, norm, conv, shape):
+@pytest.mark.parametrize("chunk", [None, 1], ids=["whole", "per-sample"])
+def test_instance_norm_affine(monkeypatch, norm, conv, shape, chunk):
     import gaussdp.torch._clipper as clipper_mod
+    import gaussdp.torch._rules as rules
 
     def no_vmap(*a, **k):
         raise AssertionError("the closed-form rule was expected")
 
     monkeypatch.setattr(clipper_mod, "vmap_parts", no_vmap)
+    if chunk is not None:
+        monkeypatch.setattr(rules, "_NORM_CHUNK", chunk)
     torch.manual_seed(0)
     _conv_check(nn.Sequential(conv(), norm()), torch.randn(*shape))
 

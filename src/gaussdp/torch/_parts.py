@@ -11,7 +11,6 @@ Norms are accumulated in at least float32 whatever the input dtype (bf16 and fp1
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
@@ -304,7 +303,11 @@ class ConvPart:
         self.groups = groups
         self.kernel = tuple(shape[2:])
         self._ps: torch.Tensor | None = None
+        # True where _ps holds each G_i transposed, (B, groups, C_in k / groups, C_out / groups)
+        self._ps_t = False
         self._sq: torch.Tensor | None = None
+        # input-gram: per spatial dimension, the (destination, source) slices of each kernel offset
+        self._blocks: list[list[tuple[tuple, tuple]]] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -320,9 +323,9 @@ class ConvPart:
         t = self.b[0, 0].numel()
         return t, self.shape[1:].numel(), self.shape[0] // self.groups
 
-    def _padded(self) -> int:
-        """Positions of the zero-padded input, per sample."""
-        return math.prod(n + 2 * p for n, p in zip(self.a.shape[2:], self.padding, strict=True))
+    def _positions(self) -> int:
+        """Positions of the input (without its zero padding), per sample."""
+        return math.prod(self.a.shape[2:])
 
     def route(self) -> str:
         """Cost model (per sample and group), the route of the norms and the sum:
@@ -333,19 +336,28 @@ class ConvPart:
         - otherwise the norms by the cheapest of: ``"build"`` (``G_i`` built, dropped), ``"gram"``
           (Gram identity on the patches, ``T^2 (C_in k + C_out)``, three quarters of it from
           ``T = 16`` on, see :func:`_ghost_sq_norms`), ``"input-gram"`` (the patches' Gram as the
-          sum over the ``k`` kernel offsets of shifted blocks of the padded input's Gram:
-          ``C_in S^2 + (k + C_out) T^2`` for ``S`` padded positions, no patch matrix at all); the
+          sum over the ``k`` kernel offsets of shifted blocks of the input's Gram:
+          ``C_in S^2 + (k + C_out) T^2`` for ``S`` input positions, no patch matrix at all); the
           sum is then the weight-gradient convolution.
+
+        Flops are weighed by measured rates: ``"build"`` at half where the grouped convolution
+        forms ``G_i`` (:meth:`_grouped`). (Counting ``"gram"`` at twice its flops below 64
+        positions moved the mnist CNN's second convolution to ``"build"`` by ``bmm``: 0.01-0.02x
+        plain faster with a fixed malloc threshold, but 0.05 MiB more peak and page faults again
+        with glibc's default; not done.)
         """
         t, k, c = self._dims()
         per_group = k * c
         if self.groups * per_group <= (self.a[0].numel() + self.b[0].numel()):
             return "keep"
         kk = math.prod(self.kernel)
+        # the grouped convolution forms G_i with no patch copy, and runs its flops about twice as
+        # fast as the small batched Gram products on the patches (mnist CNN, bench_dpsgd (d), second
+        # convolution alone: norms 7 us per sample against 18 us by the Gram identity)
         costs = {
-            "build": t * per_group,
+            "build": t * per_group * (0.5 if self._grouped(self.a) else 1.0),
             "gram": t * t * (k + c) * (0.75 if t >= 16 else 1.0) + t * k,
-            "input-gram": (k // kk) * self._padded() ** 2 + (kk + c) * t * t,
+            "input-gram": (k // kk) * self._positions() ** 2 + (kk + c) * t * t,
         }
         return min(costs, key=costs.__getitem__)
 
@@ -355,7 +367,7 @@ class ConvPart:
             "keep": k * t + k * c,
             "build": k * t + k * c,
             "gram": k * t + 2 * t * t,
-            "input-gram": self._padded() ** 2 + 2 * t * t,
+            "input-gram": self._positions() ** 2 + 2 * t * t,
         }[route]
         # temporaries of at most a quarter of what the layer keeps anyway (its input and output
         # gradient), so a small layer's chunks do not set a small model's peak memory, but at least
@@ -375,7 +387,9 @@ class ConvPart:
         # patches' (no patch matrix is formed), so twice the samples keep them near the budget
         step = self._chunks(route) * (2 if grouped else 1)
         sq = torch.empty(n, dtype=a.dtype, device=a.device)
-        ps = torch.empty(n, *self.shape, dtype=a.dtype, device=a.device) if route == "keep" else None
+        ps = None
+        if route == "keep":  # from the patches, G_i^T is formed (see below) and kept so
+            ps = torch.empty(n, *(self.shape if grouped else (g, k, c)), dtype=a.dtype, device=a.device)
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             m = hi - lo
@@ -393,38 +407,67 @@ class ConvPart:
             if route == "gram":
                 sq[lo:hi] = _ghost_sq_norms(cols.transpose(1, 2), [grads.transpose(1, 2)]).view(m, g).sum(1)
             else:
-                out = None if ps is None else ps[lo:hi].view(m * g, c, k)
-                per = torch.bmm(grads, cols.transpose(1, 2), out=out)
+                # G_i^T = A_i B_i^T rather than G_i = B_i A_i^T: MKL runs this order faster where
+                # C_in k is small (cifar10 CNN's first convolution, k = 27, T = 1024: 22 against
+                # 39 us per sample), and no slower elsewhere measured; the norms do not mind
+                out = None if ps is None else ps[lo:hi].view(m * g, k, c)
+                per = torch.bmm(cols, grads.transpose(1, 2), out=out)
                 sq[lo:hi] = _sq(per.view(m, -1))
         self._sq = sq
         if ps is not None:  # the sum needs only G: the input and gradient are let go now
-            self._ps, self.a, self.b = ps, None, None  # type: ignore[assignment]
+            self._ps, self._ps_t, self.a, self.b = ps, not grouped, None, None  # type: ignore[assignment]
         return sq
 
     def _grouped(self, a: torch.Tensor) -> bool:
         """Whether ``G_i`` is formed by one grouped convolution (:meth:`_per_sample_grouped`)
         rather than from the patches (a strided copy of ``C_in k T`` values per sample, then a
-        batched matmul): in float32 on the CPU with oneDNN, for 2-d kernels, where the patches are
-        large (``T >= 128`` positions and ``C_in k / groups >= 64``), which is where the copy
-        dominates. Measured with one thread (``benchmarks/bench_dpsgd.py``, interleaved, loaded
-        machine): the cifar10 CNN's second convolution's gradients about 1.4x faster (step 1.34x
-        -> 1.28x plain), the mnist CNN's first a little; slower for the cifar10 CNN's first
-        (``C_in k = 27``) and for few positions (``T = 25, 64``), so those keep the patches."""
-        t, k, _ = self._dims()
+        batched matmul): in float32 on the CPU with oneDNN, for 2-d kernels with patches of
+        ``C_in k / groups >= 64``, where each sample's gradient is large (``C_in k C_out / groups^2
+        >= 4096``) over ``T >= 64`` positions, or where a group has one input channel (a forward
+        convolution then). Measured per sample with one thread (chunks of 32; patch copy + ``bmm``
+        against the grouped convolution), cifar10 CNN (``benchmarks/bench_dpsgd.py`` (e)): second
+        convolution (``C_in k = 288, C_out = 64, T = 256``) 130 against 57 us, third (576, 64, 64)
+        85 against 42; mnist CNN (d) first (64, 16, 196, one input channel) 10 against 8 (14 by
+        the weight-gradient convolution). Slower where the gradient is small, cifar10 first (27,
+        32, 1024) 25 against 55, or with few positions, cifar10 fourth (576, 128, 16) 38 against
+        55. The mnist CNN's second (256, 32, 25) is faster alone (13 against 7, and 18 by the Gram
+        identity), but inside the step its 1 MiB temporaries made glibc hand pages back and fault
+        them in again (500-950 page faults a step, about 1 ms; none with the Gram identity)."""
+        t, k, c = self._dims()
         return (
             a.dtype == torch.float32
             and a.device.type == "cpu"
             and len(self.kernel) == 2
-            and t >= 128
             and k >= 64
+            and ((k * c >= 4096 and t >= 64) or self.shape[1] == 1)
             and torch.backends.mkldnn.is_available()
             and bool(torch.backends.mkldnn.enabled)  # else a per-group loop: far slower
         )
 
     def _per_sample_grouped(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """``G_i`` for a chunk of samples as one weight-gradient convolution with the samples as
-        groups: the batch folded into the channels, ``groups`` times the chunk size."""
+        groups (a forward one where a group has a single input channel): the batch folded into the
+        channels, ``groups`` times the chunk size."""
         m, nd = a.shape[0], len(self.kernel)
+        if self.shape[1] == 1:
+            # one input channel per group: G_i is the correlation of that channel with each output
+            # gradient channel, a forward convolution with the gradients as kernels (stride and
+            # dilation swap roles), laid out as G already; oneDNN's forward kernel is the faster
+            # (mnist CNN's first convolution, 1 -> 16 channels, 8x8: 0.53 against 0.85 ms a batch)
+            s = torch.ops.aten.convolution(
+                a.reshape(1, -1, *a.shape[2:]),
+                b.reshape(-1, 1, *b.shape[2:]),
+                None,
+                self.dilation,
+                self.padding,
+                self.stride,
+                False,
+                (0,) * nd,
+                m * self.groups,
+            )
+            # positions past the kernel: the input's tail that the layer's stride never reached
+            s = s[(0, slice(None), *(slice(0, k) for k in self.kernel))].view(m, *self.shape)
+            return s.contiguous() if out is None else out.copy_(s)
         s = torch.ops.aten.convolution_backward(
             b.reshape(1, -1, *b.shape[2:]),
             a.reshape(1, -1, *a.shape[2:]),
@@ -441,35 +484,53 @@ class ConvPart:
         return s if out is None else out.copy_(s)
 
     def _input_gram_sq(self, a: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
-        """``<A^T A, B^T B>`` per (sample, group) with ``A^T A`` from the padded input's Gram
-        ``X^T X`` (``S x S``): ``(A^T A)[t, u] = sum_o (X^T X)[t s + o d, u s + o d]`` over the
-        kernel offsets ``o`` (a patch entry is the input at position ``t s + o d``)."""
-        if any(self.padding):
-            a = torch.nn.functional.pad(a, [q for p in reversed(self.padding) for q in (p, p)])
+        """``<A^T A, B^T B>`` per (sample, group) with ``A^T A`` from the input's Gram ``X^T X``
+        (``S x S`` for ``S`` input positions): ``(A^T A)[t, u] = sum_o (X^T X)[t s + o d - p,
+        u s + o d - p]`` over the kernel offsets ``o`` (a patch entry is the input at position
+        ``t s + o d - p``), where both positions fall inside the input; padding reads zeros, which
+        add nothing, so the zero-padded input's larger Gram is never formed (cifar10 CNN, bench_dpsgd
+        (e), third convolution, 8x8 input: 100^2 -> 64^2 entries per channel, norms 6.8 -> 3.8 ms).
+        The sum is separable: one spatial dimension at a time (the ``t`` and ``u`` copies of it go
+        from input to output positions), each offset along it adding one block, a slice over the
+        output positions whose patch entry at that offset is inside the input (the same range for
+        ``t`` and ``u``): ``sum_d k_d`` strided adds instead of ``prod_d k_d`` (3x3: 6 for 9; the
+        adds were 3.3 of the cifar10 CNN step's 5.8 ms in this function)."""
         mg, nd = grads.shape[0], len(self.kernel)
-        size = a.shape[2:]
+        size, out = tuple(a.shape[2:]), tuple(self.b.shape[2:])
         x = a.reshape(mg, -1, math.prod(size))
-        gx = torch.bmm(x.transpose(1, 2), x)  # (m G, S, S), seen as (m G, *size, *size)
-        out = list(self.b.shape[2:])
-        st = [math.prod(size[d + 1 :]) for d in range(nd)]  # strides of one position index
-        sizes = (mg, *out, *out)
-        strides = (
-            gx.stride(0),
-            *(st[d] * self.stride[d] * len(x[0, 0]) for d in range(nd)),
-            *(st[d] * self.stride[d] for d in range(nd)),
-        )
-        acc = None
-        for o in itertools.product(*(range(k) for k in self.kernel)):
-            shift = sum(o[d] * self.dilation[d] * st[d] for d in range(nd))
-            block = gx.as_strided(sizes, strides, gx.storage_offset() + shift * (len(x[0, 0]) + 1))
-            acc = block.clone() if acc is None else acc.add_(block)
-        if acc is None:
-            raise RuntimeError("internal: a convolution with an empty kernel")
+        cur = torch.bmm(x.transpose(1, 2), x).view(mg, *size, *size)
+        if self._blocks is None:  # the same for every chunk
+            self._blocks = []
+            for d in range(nd):
+                s, per = self.stride[d], []
+                for o in range(self.kernel[d]):
+                    off = o * self.dilation[d] - self.padding[d]
+                    lo = max(0, -(off // s))  # first output position reading inside the input
+                    hi = min(out[d], (size[d] - 1 - off) // s + 1)
+                    if hi <= lo:
+                        continue  # this offset reads only padding
+                    dst, src = [slice(None)] * (1 + 2 * nd), [slice(None)] * (1 + 2 * nd)
+                    dst[1 + d] = dst[1 + nd + d] = slice(lo, hi)
+                    src[1 + d] = src[1 + nd + d] = slice(lo * s + off, (hi - 1) * s + off + 1, s)
+                    per.append((tuple(dst), tuple(src)))
+                self._blocks.append(per)
+        for d in range(nd):
+            shape = list(cur.shape)
+            shape[1 + d] = shape[1 + nd + d] = out[d]
+            nxt = torch.zeros(shape, dtype=cur.dtype, device=cur.device)
+            for into, read in self._blocks[d]:
+                nxt[into] += cur[read]
+            cur = nxt
+        acc = cur
         gg = torch.bmm(grads.transpose(1, 2), grads)  # (m G, T, T)
         return (acc.view_as(gg) * gg).flatten(1).sum(1)
 
     def weighted_sum(self, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``sum_i w_i G_i``; added in place into ``out`` when given (and ``out`` returned)."""
+        if self._ps is not None and self._ps_t:
+            ps = self._ps.flatten(1)
+            s = (w.to(ps.dtype) @ ps).view(self._ps.shape[1:]).transpose(1, 2)  # (groups, C_out / G, k)
+            return _into(out, s.reshape(self.shape))
         if self._ps is not None:
             return DensePart(self._ps, self.shape).weighted_sum(w, out)
         a, b = _acc(self.a), _acc(self.b)
@@ -495,6 +556,8 @@ class ConvPart:
         return _into(out, s)
 
     def materialise(self) -> torch.Tensor:
+        if self._ps is not None and self._ps_t:
+            return self._ps.transpose(2, 3).reshape(self._ps.shape[0], *self.shape)
         if self._ps is not None:
             return self._ps
         a, b = _acc(self.a), _acc(self.b)

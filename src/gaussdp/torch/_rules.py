@@ -204,16 +204,27 @@ def _layer_norm(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-
     return _norm_parts(owned, x_hat, g, len(shape), torch.Size(shape), torch.Size(shape))
 
 
-def _channel_parts(owned, x_hat, g, c):  # type: ignore[no-untyped-def]
+_NORM_CHUNK = 1 << 18  # elements of a normalised chunk of the input (1 MiB in float32)
+
+
+def _channel_parts(owned, normalise, x, g, c):  # type: ignore[no-untyped-def]
     """Per-sample gradients of a per-channel affine ``y = w_c * x_hat + b_c`` over ``(B, C, *)``:
-    sums over each sample's positions, reduced along the contiguous last axis; ``x_hat`` is a fresh
-    tensor of the rule's own and takes the product in place (no second temporary)."""
+    sums over each sample's positions, reduced along the contiguous last axis. ``x_hat`` is
+    ``normalise`` of a chunk of samples at a time (each sample is normalised on its own), a fresh
+    tensor that takes the product in place: no normalised copy of the whole input, which cost
+    page faults in the step (glibc maps and unmaps a temporary that large: cifar10 CNN with
+    GroupNorm, ``benchmarks/bench_dpsgd.py`` (f), 16 MiB for the first layer)."""
     out: list[tuple[nn.Parameter, Part]] = []
     b = g.shape[0]
     dtype = acc_dtype(g.dtype)
     g = g.reshape(b, c, -1)
     if "weight" in owned:
-        ps = x_hat.to(g.dtype).reshape(b, c, -1).mul_(g).sum(2, dtype=dtype)
+        ps = torch.empty(b, c, dtype=dtype, device=g.device)
+        step = max(1, _NORM_CHUNK // max(1, g[0].numel()))
+        for lo in range(0, b, step):
+            hi = min(b, lo + step)
+            x_hat = normalise(x[lo:hi]).to(g.dtype).reshape(hi - lo, c, -1)
+            torch.sum(x_hat.mul_(g[lo:hi]), 2, dtype=dtype, out=ps[lo:hi])
         out.append((owned["weight"], DensePart(ps, torch.Size((c,)))))
     if "bias" in owned:
         out.append((owned["bias"], DensePart(g.sum(2, dtype=dtype), torch.Size((c,)))))
@@ -224,8 +235,11 @@ def _group_norm(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-
     x, g = args[0], grads[0]
     if g is None:
         return []
-    x_hat = F.group_norm(x, module.num_groups, None, None, module.eps) if "weight" in owned else None
-    return _channel_parts(owned, x_hat, g, x.shape[1])
+
+    def normalise(xs: torch.Tensor) -> torch.Tensor:
+        return F.group_norm(xs, module.num_groups, None, None, module.eps)
+
+    return _channel_parts(owned, normalise, x, g, x.shape[1])
 
 
 def _instance_norm(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-def]
@@ -238,8 +252,11 @@ def _instance_norm(module, args, kwargs, grads, owned):  # type: ignore[no-untyp
     m: nn.modules.instancenorm._InstanceNorm = module
     if x.dim() == m._get_no_batch_dim():  # unbatched input: a batch of one
         x, g = x.unsqueeze(0), g.unsqueeze(0)
-    x_hat = F.instance_norm(x, None, None, None, None, True, 0.0, m.eps) if "weight" in owned else None
-    return _channel_parts(owned, x_hat, g, x.shape[1])
+
+    def normalise(xs: torch.Tensor) -> torch.Tensor:
+        return F.instance_norm(xs, None, None, None, None, True, 0.0, m.eps)
+
+    return _channel_parts(owned, normalise, x, g, x.shape[1])
 
 
 def vmap_parts(module, args, kwargs, grads, owned, disabled):  # type: ignore[no-untyped-def]
