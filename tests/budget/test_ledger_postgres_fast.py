@@ -1,4 +1,4 @@
-"""PostgreSQL's one-round-trip charge (``gdp_charge_fast``, called through libpq with a statement
+"""PostgreSQL's one-statement charge (``gdp_charge_next``, called through libpq with a statement
 prepared per connection) survives what psycopg does to a connection's prepared statements."""
 
 from __future__ import annotations

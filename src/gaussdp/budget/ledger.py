@@ -130,10 +130,9 @@ class Ledger:
         self._live_pld = LivePLD(parse)
         self._rows: dict[str, PrincipalRow] = {}
         # Per principal, the history this process last saw: a hint, trusted only where the store
-        # confirms it under its lock (charge_next's total, charge_fast's fingerprint).
+        # confirms it (charge_next checks its total where it writes).
         self._last_groups: dict[str, dict[str, int]] = {}
         self._charge_next = getattr(self.store, "charge_next", None)
-        self._charge_fast = getattr(self.store, "charge_fast", None)
         # Per principal, the last certified box (valid for any history: see budget/_compose.py).
         self._boxes: dict[str, tuple[PrincipalRow, dict[str, int]]] = {}
         if policy == "warn":
@@ -304,33 +303,21 @@ class Ledger:
         """The common charge in one statement, or None for the general path of :meth:`charge`.
 
         Where the certified ``box`` covers the history after the charge (``last`` plus one ``key``),
-        stores that re-check under their lock that the history is still ``last`` write the charge in
-        one statement: SQLite's ``charge_next`` by the principal's total (counts only grow),
-        PostgreSQL's ``charge_fast`` by a fingerprint of the other events and the event's own count
-        against the box. Anything else (a moved history; a used idempotency key on SQLite) answers
-        None, having written nothing.
+        stores with ``charge_next`` (SQLite, PostgreSQL) write the charge in one statement, numbered
+        one past ``last``'s total: the database writes it only if the principal's total is still
+        that (counts only grow, so the history is still ``last``) and nothing otherwise (a moved
+        history, a used idempotency key): None, and the general path decides.
         """
         new = {**last, key: last.get(key, 0) + 1}
         if not within(new, box):
             return None
-        if self._charge_next is not None:
-            stored = self._charge_next(principal, key, idempotency_key, sum(new.values()), key_id=key_id)
-            if stored is None:
-                return None
-            self._hint(principal, new)
-            return _receipt(stored, tuple(sorted(new.items())))
-        if self._charge_fast is None:
+        if self._charge_next is None:
             return None
-        others = tuple(sorted((k, c) for k, c in last.items() if k != key))
-        done = self._charge_fast(principal, key, idempotency_key, others, box[key], key_id=key_id)
-        if done is None:
+        stored = self._charge_next(principal, key, idempotency_key, sum(new.values()), key_id=key_id)
+        if stored is None:
             return None
-        charged, count = done
-        if charged.replayed:
-            return _receipt(charged, None)
-        groups = {**dict(others), key: count}
-        self._hint(principal, groups)
-        return _receipt(charged, tuple(sorted(groups.items())))
+        self._hint(principal, new)
+        return _receipt(stored, tuple(sorted(new.items())))
 
     def _hint(self, principal: str, groups: dict[str, int]) -> None:
         if len(self._last_groups) >= _MAX_HINTS:

@@ -3,17 +3,16 @@
 One transaction per charge: ``SELECT ... FOR UPDATE`` on the principal's row serialises charges of
 that principal (and only that principal) across every connection, the history is read under that
 lock, and the new charge is written with one statement before ``COMMIT``. The common charge (the
-process already knows the principal's other events) takes one round trip instead: the server-side
-function ``gdp_charge_fast`` re-checks, under the same row lock, that the other events are the ones
-the allowance was computed for and that ``count + 1 <= allowed``, and answers "slow" otherwise.
+process already knows the principal's history and its certified box covers the charge) is one
+statement instead: the server-side function ``gdp_charge_next`` (migration 0005) writes the charge
+numbered one past that history's total only if the total is still that, and writes nothing
+otherwise (the general transaction then decides). Both take the principal's advisory lock first.
 ``psycopg`` (3) and ``psycopg_pool`` are imported only when a PostgreSQL ledger is opened
 (``service`` extra).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 import queue
 import re
@@ -87,17 +86,8 @@ class _Reopened(Exception):
     """The principal was opened by another connection between the read and the insert."""
 
 
-@functools.lru_cache(maxsize=4096)
-def others_fingerprint(others: tuple[tuple[str, int], ...]) -> str:
-    """md5 of ``key:count`` pairs sorted by key (byte order, as ``COLLATE "C"``), comma-joined.
-
-    Memoised: a principal's other events repeat from one charge to the next."""
-    text = ",".join(f"{k}:{c}" for k, c in sorted(others, key=lambda kc: kc[0].encode()))
-    return hashlib.md5(text.encode(), usedforsecurity=False).hexdigest()
-
-
-# The name under which each pooled connection prepares the call of gdp_charge_fast (per session).
-_FAST_NAME = b"gdp_charge_fast_v2"
+# The name under which each connection prepares the call of gdp_charge_next (per session).
+_NEXT_NAME = b"gdp_charge_next"
 _TUPLES_OK = 2  # libpq's PGRES_TUPLES_OK
 _COMMAND_OK = 1  # libpq's PGRES_COMMAND_OK
 _CONNECTION_BAD = 1  # libpq's CONNECTION_BAD
@@ -131,11 +121,9 @@ class PostgresStore:
         self._taken = 0  # connections taken from the pool and not given back
         self._pool_timeout_s = float(pool_timeout_s)
         self._closed = False
-        # connections on which the fast charge's statement is prepared (a new connection prepares it)
+        # connections on which the one-statement charge is prepared (a new connection prepares it)
         self._prepared: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._fast_sql = (
-            f"SELECT * FROM {schema}.gdp_charge_fast($1, $2, $3, $4, $5::bigint, $6::float8, $7)".encode()
-        )
+        self._next_sql = f"SELECT {schema}.gdp_charge_next($1, $2, $3, $4::bigint, $5::float8, $6)".encode()
         self._last_checked: dict[int, float] = {}  # id(connection) -> monotonic time of its last check
         self._max_size = max(1, int(pool_size))
         self._pool = ConnectionPool(
@@ -154,6 +142,7 @@ class PostgresStore:
         )
         s = schema
         self._sql = {
+            "queue": "SELECT pg_advisory_xact_lock(1868720741, hashtext(%s))",
             "lock": f"SELECT epsilon, delta, accountant, created_at FROM {s}.gdp_principals "
             "WHERE principal = %s FOR UPDATE",
             "groups": f"SELECT event_key, count FROM {s}.gdp_spent WHERE principal = %s",
@@ -164,8 +153,8 @@ class PostgresStore:
             "VALUES (%s, %s, 1) "
             f"ON CONFLICT (principal, event_key) DO UPDATE SET count = {s}.gdp_spent.count + 1) "
             f"INSERT INTO {s}.gdp_charges "
-            "(principal, event_key, idempotency_key, created_at, within_budget, key_id) "
-            "VALUES (%s, %s, %s, %s, %s, %s) RETURNING id",
+            "(principal, event_key, idempotency_key, created_at, within_budget, key_id, seq) "
+            "VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING id",
             "principal": f"SELECT epsilon, delta, accountant, created_at FROM {s}.gdp_principals "
             "WHERE principal = %s",
         }
@@ -389,6 +378,7 @@ class PostgresStore:
         # so the history it reads is current. (A join inside the locking statement would not be.)
         with self._connection() as conn, conn.pipeline() as pipe:
             with conn.transaction():
+                conn.execute(self._sql["queue"], (principal,))  # as gdp_charge_next does, first
                 lock = conn.execute(self._sql["lock"], (principal,))  # the principal's row lock
                 by_key = (
                     conn.execute(self._sql["by_key"], (principal, idempotency_key))
@@ -411,9 +401,10 @@ class PostgresStore:
                 within = decide(row, groups)  # may raise: leaving the transaction block rolls back
                 now = time.time()
                 sent[0] = True
+                seq = sum(groups.values()) + 1  # exact: no other charge of the principal is in flight
                 write = conn.execute(
                     self._sql["write"],
-                    (principal, event_key, principal, event_key, idempotency_key, now, within, key_id),
+                    (principal, event_key, principal, event_key, idempotency_key, now, within, key_id, seq),
                 )
             pipe.sync()  # COMMIT has been queued by the transaction block; wait for it
             w = write.fetchone()
@@ -421,19 +412,21 @@ class PostgresStore:
                 raise RuntimeError(f"the charge of {principal!r} returned no row from PostgreSQL")
         return StoredCharge(int(w[0]), principal, event_key, idempotency_key, now, within, key_id=key_id)
 
-    def charge_fast(
+    def charge_next(
         self,
         principal: str,
         event_key: str,
         idempotency_key: str | None,
-        others: tuple[tuple[str, int], ...],
-        allowed: int,
+        seq: int,
         key_id: str | None = None,
-    ) -> tuple[StoredCharge, int] | None:
-        """One round trip: charge if the other events are still ``others`` and ``count + 1 <= allowed``.
+    ) -> StoredCharge | None:
+        """Charge if the principal has exactly ``seq - 1`` charges (the history the caller decided on).
 
-        Returns ``(charge, new_count)``, or ``None`` when the general :meth:`charge` must decide.
-        Not retried on a broken connection (the one statement both decides and writes).
+        One round trip, one statement (``gdp_charge_next``, migration 0005): no row lock beyond the
+        key-share lock of the charge's own foreign key. Returns None, having written nothing, where
+        the general :meth:`charge` must decide: the history moved, the idempotency key was used
+        before, or the principal is unknown. Not retried on a broken connection (the one statement
+        both decides and writes).
         """
         now = time.time()
         try:
@@ -442,14 +435,13 @@ class PostgresStore:
             raise StoreUnavailable(f"the PostgreSQL ledger cannot be reached: {exc}") from exc
         try:
             enc = conn.info.encoding
-            r = self._exec_fast(
+            charge_id = self._exec_next(
                 conn,
                 [
                     principal.encode(enc),
                     event_key.encode(enc),
                     None if idempotency_key is None else idempotency_key.encode(enc),
-                    others_fingerprint(others).encode(),
-                    str(int(allowed)).encode(),
+                    str(int(seq)).encode(),
                     repr(now).encode(),
                     None if key_id is None else key_id.encode(enc),
                 ],
@@ -458,23 +450,12 @@ class PostgresStore:
             raise StoreUnavailable(f"the PostgreSQL ledger cannot be reached: {exc}") from exc
         finally:
             self._put(conn)
-        if r is None:  # a database fault
-            raise RuntimeError(f"gdp_charge_fast returned no row for principal {principal!r}")
-        status = r[0]
-        if status == b"unknown":
-            raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
-        if status == b"replay":
-            earlier = StoredCharge(
-                int(r[1]), principal, r[5].decode(enc), idempotency_key, float(r[2]), r[3] == b"t"
-            )
-            return replayed_charge(earlier, event_key), -1
-        if status == b"ok":
-            charge = StoredCharge(int(r[1]), principal, event_key, idempotency_key, now, True, key_id=key_id)
-            return charge, int(r[4])
-        return None
+        if charge_id is None:
+            return None
+        return StoredCharge(int(charge_id), principal, event_key, idempotency_key, now, True, key_id=key_id)
 
-    def _exec_fast(self, conn: Any, params: list[bytes | None]) -> list[Any] | None:
-        """The fast charge's one row (text-format values), through libpq directly.
+    def _exec_next(self, conn: Any, params: list[bytes | None]) -> bytes | None:
+        """``gdp_charge_next``'s answer (the charge id as text, or None), through libpq directly.
 
         psycopg's own execute path costs about 70 us of client CPU per call (adaptation, its
         prepared-statement cache, result loaders) against about 25 us for the libpq call itself, and
@@ -484,11 +465,11 @@ class PostgresStore:
         pg = conn.pgconn
         for attempt in range(2):
             if conn not in self._prepared:
-                res = pg.prepare(_FAST_NAME, self._fast_sql)
+                res = pg.prepare(_NEXT_NAME, self._next_sql)
                 if res.status != _COMMAND_OK:
                     raise self._fail(pg, res)
                 self._prepared.add(conn)
-            res = pg.exec_prepared(_FAST_NAME, params)
+            res = pg.exec_prepared(_NEXT_NAME, params)
             if res.status == _TUPLES_OK:
                 break
             # psycopg deallocates every prepared statement of a connection when it rolls a transaction
@@ -496,10 +477,13 @@ class PostgresStore:
             if attempt == 0 and res.error_field(_SQLSTATE) == b"26000":
                 self._prepared.discard(conn)
                 continue
+            if res.error_field(_SQLSTATE) == b"23503":  # no such principal: the general path says so
+                return None
             raise self._fail(pg, res)
-        if res.ntuples == 0:
-            return None
-        return [res.get_value(0, j) for j in range(res.nfields)]
+        if res.ntuples != 1:  # a database fault
+            raise RuntimeError(f"gdp_charge_next returned {res.ntuples} rows")
+        value: bytes | None = res.get_value(0, 0)
+        return value
 
     def _fail(self, pg: Any, res: Any) -> Exception:
         """The exception psycopg would raise for ``res``: a lost connection is an OperationalError."""
