@@ -308,10 +308,10 @@ class Ledger:
         that (counts only grow, so the history is still ``last``) and nothing otherwise (a moved
         history, a used idempotency key): None, and the general path decides.
         """
+        if self._charge_next is None:
+            return None
         new = {**last, key: last.get(key, 0) + 1}
         if not within(new, box):
-            return None
-        if self._charge_next is None:
             return None
         stored = self._charge_next(principal, key, idempotency_key, sum(new.values()), key_id=key_id)
         if stored is None:
