@@ -58,3 +58,11 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path) -> str:  # type: ignore
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'ledger.db'}"
     return str(request.getfixturevalue("fresh_pg_url"))
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def durable_url(request: pytest.FixtureRequest, tmp_path) -> str:  # type: ignore[no-untyped-def]
+    """A fresh ledger URL for each durable store (several ledgers and processes may open it)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'ledger.db'}"
+    return str(request.getfixturevalue("fresh_pg_url"))

@@ -5,7 +5,6 @@ cached history falls back to the general path under the lock instead of spending
 from __future__ import annotations
 
 import sqlite3
-from pathlib import Path
 
 import pytest
 
@@ -20,12 +19,9 @@ EVENT = GaussianEvent(noise_multiplier=8.0)
 BUDGET = Budget(epsilon=2.0, delta=1e-5)
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """Two ledgers opened on this url share one database."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'l.db'}"
-    return str(request.getfixturevalue("fresh_pg_url"))
+@pytest.fixture
+def url(durable_url: str) -> str:
+    return durable_url
 
 
 def test_a_stale_cached_history_cannot_spend_past_the_budget(url: str) -> None:

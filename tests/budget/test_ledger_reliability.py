@@ -36,11 +36,9 @@ def expected_allowance() -> int:
     return n
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'ledger.db'}"
-    return str(request.getfixturevalue("fresh_pg_url"))
+@pytest.fixture
+def url(durable_url: str) -> str:
+    return durable_url
 
 
 def _client_url(url: str) -> str:
