@@ -538,11 +538,19 @@ def test_convolutions_match_the_loop(monkeypatch, make, shape, route):
 
 
 @pytest.mark.parametrize(
-    ("c_in", "c_out", "k", "size", "stride", "padding", "groups"),
-    [(1, 16, 8, 28, 2, 3, 1), (32, 64, 3, 16, 1, 1, 1), (8, 8, 4, 18, 1, 2, 2)],
+    ("c_in", "c_out", "k", "size", "stride", "padding", "groups", "dilation"),
+    [
+        (1, 16, 8, 28, 2, 3, 1, 1),
+        (32, 64, 3, 16, 1, 1, 1, 1),
+        (8, 8, 4, 18, 1, 2, 2, 1),
+        (1, 8, 5, 17, 3, 2, 1, 2),  # one input channel (a forward convolution): stride and dilation swap
+        (2, 8, 3, 15, 1, 1, 2, 3),
+    ],
 )
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "patches"])
-def test_conv_grouped_per_sample_gradients_float32(c_in, c_out, k, size, stride, padding, groups, grouped):
+def test_conv_grouped_per_sample_gradients_float32(
+    c_in, c_out, k, size, stride, padding, groups, dilation, grouped
+):
     """The float32 per-sample gradients formed by one grouped convolution (oneDNN where available,
     as chosen for layers like the mnist CNN's second and the cifar10 CNN's second), or from the
     patches (kept transposed), against a float64 per-sample loop; the norms and the kept
@@ -551,7 +559,9 @@ def test_conv_grouped_per_sample_gradients_float32(c_in, c_out, k, size, stride,
 
     torch.manual_seed(0)
     b = 6
-    conv = nn.Conv2d(c_in, c_out, k, stride=stride, padding=padding, groups=groups).double()
+    conv = nn.Conv2d(
+        c_in, c_out, k, stride=stride, padding=padding, groups=groups, dilation=dilation
+    ).double()
     x = torch.randn(b, c_in, size, size, dtype=torch.float64)
     g = torch.randn_like(conv(x))
     ref = torch.stack(

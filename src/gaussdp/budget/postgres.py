@@ -429,11 +429,7 @@ class PostgresStore:
         both decides and writes).
         """
         now = time.time()
-        try:
-            conn = self._get()
-        except self._operational_error as exc:
-            raise StoreUnavailable(f"the PostgreSQL ledger cannot be reached: {exc}") from exc
-        try:
+        with self._connection() as conn:
             enc = conn.info.encoding
             charge_id = self._exec_next(
                 conn,
@@ -446,10 +442,6 @@ class PostgresStore:
                     None if key_id is None else key_id.encode(enc),
                 ],
             )
-        except self._operational_error as exc:
-            raise StoreUnavailable(f"the PostgreSQL ledger cannot be reached: {exc}") from exc
-        finally:
-            self._put(conn)
         if charge_id is None:
             return None
         return StoredCharge(int(charge_id), principal, event_key, idempotency_key, now, True, key_id=key_id)
@@ -477,8 +469,6 @@ class PostgresStore:
             if attempt == 0 and res.error_field(_SQLSTATE) == b"26000":
                 self._prepared.discard(conn)
                 continue
-            if res.error_field(_SQLSTATE) == b"23503":  # no such principal: the general path says so
-                return None
             raise self._fail(pg, res)
         if res.ntuples != 1:  # a database fault
             raise RuntimeError(f"gdp_charge_next returned {res.ntuples} rows")

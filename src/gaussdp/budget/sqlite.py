@@ -273,19 +273,13 @@ class SQLiteStore:
         idempotency key was used before, or the principal is unknown.
         """
         now = time.time()
-        with self._write_lock:
-            try:
-                conn = self._pool.get_nowait()
-            except queue.Empty:
-                conn = self._connect()
+        with self._write_lock, self._conn() as conn:
             try:
                 cur = conn.execute(
                     _INSERT_CHARGE, (principal, event_key, idempotency_key, now, 1, key_id, int(seq))
                 )
             except sqlite3.IntegrityError:
                 return None
-            finally:
-                self._pool.put(conn)
         charge_id = cur.lastrowid
         if charge_id is None:  # a database fault
             raise RuntimeError(f"the charge of {principal!r} was committed without a charge id")

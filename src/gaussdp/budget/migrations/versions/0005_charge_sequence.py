@@ -16,7 +16,9 @@ made outside any lock on that history, is the one a lock would have made. Rows w
   charge's foreign key takes anyway (so that a general charge of an earlier gaussdp, which only
   locks the row, is waited for and then seen), reads the total, and writes the charge and its
   grouped count only if the total is ``seq - 1``; an idempotency key used before writes nothing
-  (``ON CONFLICT DO NOTHING``). It answers the charge's id, or NULL.
+  (``ON CONFLICT DO NOTHING``). It answers the charge's id, or NULL. ``gdp_charge_fast``
+  (revision 0002) is no longer called by this gaussdp; it stays for processes of an earlier one
+  still running while the database is upgraded.
 
 Revision ID: 0005
 Revises: 0004
