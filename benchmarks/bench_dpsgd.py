@@ -32,13 +32,18 @@ tensor in ``embedding_norm_sample``); gaussdp handles both (tested).
 shown for its memory. Opacus cannot run ``nn.MultiheadAttention`` as is: its rows use
 ``ModuleValidator.fix`` (its own ``DPMultiheadAttention``), the other rows the original module.
 
-Memory floor of the cifar10 CNN rows (e, f) for exact flat clipping in one backward pass: plain
-training peaks in the first block's backward (its ReLU output and two gradients of 16 MiB each);
-by then every later convolution must still hold what its clipped sum needs until the first
-layer's norms are known, at least the smaller of its per-sample gradients and its (input, output
-gradient): 9 + 4 + 1.5 MiB for the second to fourth convolutions, so (e) cannot go much below
-(50.5 + 14.5) / 50.5 = 1.29x plain nor (f) below about 1.14x (measured 1.28x and 1.15x). Going
-lower takes recomputing those tensors from the first block's or a second backward pass (time).
+Memory floor of the CNN rows (d, e, f) for exact flat clipping in one backward pass, printed under
+each of their tables (:func:`one_pass_floor`): every clip factor needs the whole gradient's norm,
+known only when the first layer's output gradient arrives, and until then each later layer must
+hold what its clipped sum is formed from, at least the smaller of its per-sample gradients and its
+(input, output gradient). Plain training peaks inside that stretch: the cifar10 CNN in the first
+block's backward (its ReLU output and two gradients of 16 MiB each) while the second to fourth
+convolutions hold 9 + 4 + 1.5 MiB; the mnist CNN in the first max-pool's backward while the second
+convolution holds its input and output gradient (0.86 MiB). Floors: (d) 1.20x, (e) 1.28x, (f)
+1.15x plain; gaussdp's peaks are within 0.1 MiB of them. Below them only recomputation goes (a
+second backward pass, or re-running layers), which costs time: recomputing the second
+convolution's output gradient from the third's (one transposed convolution and a ReLU mask) would
+still leave (e) at 1.19x, since the third and fourth convolutions alone hold 5.5 MiB (0.11x).
 
 Run: ``.venv/bin/python benchmarks/bench_dpsgd.py [--reps 15] [--only a,b,c,d,e,f,g]
 [--methods plain,gaussdp,...]`` (one thread by default: ``--threads``).
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import os
 import statistics
 import time
@@ -295,6 +301,85 @@ def peak_bytes(method: str, case: str) -> int:
     return tracker.peak
 
 
+class _Floor(PeakMemory):
+    """:class:`PeakMemory` over a plain step that also follows, through the backward pass, what exact
+    flat clipping must hold on top of plain training (see :func:`one_pass_floor`)."""
+
+    def __init__(self, *existing: torch.Tensor) -> None:
+        super().__init__(*existing)
+        self.layers: list[dict[str, Any]] = []  # per owning call: sizes and weak storages
+        self.arrived = 0
+        self.floor = self.peak
+
+    def extra(self) -> int:
+        """Bytes a one-pass method holds beyond plain's live ones now: for each layer whose output
+        gradient has arrived (but not the last layer's), the smaller of its per-sample gradients
+        and whichever of its input and output gradient plain has already freed; less the plain
+        parameter gradients those layers may have formed (a lower estimate)."""
+        total = 0
+        for layer in self.layers:
+            if layer["grad"] is None:
+                continue
+            gone = sum(n for ref, n in (layer["input"], layer["grad"]) if ref() is None)
+            total += min(layer["per_sample"], gone) - layer["params"]
+        return total
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if 0 < self.arrived < len(self.layers):  # between the first and last output gradient
+            self.floor = max(self.floor, self.current + self.extra())
+        elif self.arrived == 0:
+            self.floor = max(self.floor, self.current)
+        return out
+
+
+def one_pass_floor(case: str) -> int:
+    """A lower bound on the peak bytes of exact flat clipping in one backward pass that keeps, per
+    layer, either its per-sample gradients or its (input, output gradient), recomputing nothing.
+
+    Every sample's clip factor needs its whole gradient's norm, known only when the last layer's
+    output gradient arrives (the first layer in forward order). Until then each layer already
+    passed must hold what its clipped sum is formed from: the smaller of its per-sample gradients
+    (``B`` times its parameters) and its input plus output gradient, less what plain training
+    still holds of those. This follows plain training's live bytes op by op
+    (:class:`PeakMemory`) and adds that; the result is the highest total (and plain's forward
+    peak). It is a floor for one-pass book-keeping (gaussdp) and for per-sample hooks (Opacus
+    hooks); only recomputation (a second backward pass, or re-running layers) can go lower.
+    """
+    step, live = build("plain", case, with_state=True)
+    step()
+    step()
+    model = inspect.getclosurevars(step).nonlocals["model"]
+    tracker = _Floor(*live())
+    handles = []
+
+    def on_forward(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        x = args[0]
+        owned = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        layer: dict[str, Any] = {
+            "input": (weakref.ref(x.untyped_storage()), x.untyped_storage().nbytes()),
+            "grad": None,
+            "per_sample": x.shape[0] * sum(p.numel() * p.element_size() for p in owned),
+            "params": sum(p.numel() * p.element_size() for p in owned),
+        }
+        tracker.layers.append(layer)
+
+        def on_grad(g: torch.Tensor) -> None:
+            layer["grad"] = (weakref.ref(g.untyped_storage()), g.untyped_storage().nbytes())
+            tracker.arrived += 1
+
+        output.register_hook(on_grad)
+
+    for m in model.modules():
+        if any(p.requires_grad for p in m.parameters(recurse=False)):
+            handles.append(m.register_forward_hook(on_forward))
+    with tracker:
+        step()
+    for h in handles:
+        h.remove()
+    return tracker.floor
+
+
 def allocator_peak_bytes(method: str, case: str) -> int:
     """The same peak from the allocator's side: the live state at the start of the step plus the
     highest running total of the CPU allocator's allocation and free events during it (torch's
@@ -363,6 +448,12 @@ def main() -> None:
                 f"{mem[m] / 2**20:>10.1f}{mem[m] / base_m:>7.2f}x"
                 f"{alloc[m] / 2**20:>11.1f}{alloc[m] / base_a:>7.2f}x",
                 flush=True,
+            )
+        if case in ("d", "e", "f"):
+            floor = one_pass_floor(case)
+            print(
+                f"{'one-pass floor':<52}{floor / 2**20:>10.1f}{floor / base_m:>7.2f}x"
+                "  (exact flat clipping, nothing recomputed: see one_pass_floor)"
             )
 
 

@@ -308,6 +308,7 @@ class ConvPart:
         self._sq: torch.Tensor | None = None
         # input-gram: per spatial dimension, the (destination, source) slices of each kernel offset
         self._blocks: list[list[tuple[tuple, tuple]]] | None = None
+        self._dims_cache: tuple[int, int, int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -320,8 +321,10 @@ class ConvPart:
 
     def _dims(self) -> tuple[int, int, int]:
         """Output positions ``T``, patch length ``C_in k / groups``, ``C_out / groups``."""
-        t = self.b[0, 0].numel()
-        return t, self.shape[1:].numel(), self.shape[0] // self.groups
+        if self._dims_cache is None:
+            t = math.prod(self.b.shape[2:])
+            self._dims_cache = (t, self.shape[1:].numel(), self.shape[0] // self.groups)
+        return self._dims_cache
 
     def _positions(self) -> int:
         """Positions of the input (without its zero padding), per sample."""
