@@ -524,9 +524,8 @@ class ConvPart:
             for into, read in self._blocks[d]:
                 nxt[into] += cur[read]
             cur = nxt
-        acc = cur
         gg = torch.bmm(grads.transpose(1, 2), grads)  # (m G, T, T)
-        return (acc.view_as(gg) * gg).flatten(1).sum(1)
+        return (cur.view_as(gg) * gg).flatten(1).sum(1)
 
     def weighted_sum(self, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``sum_i w_i G_i``; added in place into ``out`` when given (and ``out`` returned)."""
