@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,44 +61,28 @@ def save_tiny_lm(root: Path) -> tuple[Path, Path]:
     return root / "model", root / "adapter"
 
 
-@pytest.fixture(scope="session")
-def served_lm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedLM]:
-    pytest.importorskip("transformers")
-    pytest.importorskip("peft")
-    pytest.importorskip("websockets")
+@contextlib.contextmanager
+def serve_subprocess(root: Path, args: list[str], *, prelude: str = "") -> Iterator[str]:
+    """``gaussdp serve ARGS --port <free>`` in a subprocess (log in ``root/serve.log``); yields its URL.
+
+    ``prelude``: Python run in the server process before the CLI (the fault-injection tests patch
+    the privatizer there); stopped with SIGINT at the end.
+    """
     import httpx
 
-    from gaussdp.budget import Ledger
-    from gaussdp.service.keys import create_api_key
+    import gaussdp
 
-    root = tmp_path_factory.mktemp("served_lm")
-    model_dir, adapter_dir = save_tiny_lm(root)
-    db = f"sqlite:///{root / 'ledger.db'}"
-    with Ledger(db) as ledger:
-        key = create_api_key(ledger.store, "acme")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    args = [
-        "serve",
-        "--db",
-        db,
-        "--port",
-        str(port),
-        "--model",
-        f"tiny={model_dir}",
-        "--adapter",
-        f"ad={adapter_dir}",
-    ]
-    import gaussdp
-
     # the gaussdp under test (a relative PYTHONPATH would not hold in the server's directory)
     pythonpath = os.pathsep.join(
         [str(Path(gaussdp.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
     )
     log = open(root / "serve.log", "wb")  # a file, not a pipe: nobody reads a pipe, and a full one blocks
+    code = f"{prelude}\nfrom gaussdp.cli import main; main()"
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from gaussdp.cli import main; main()", *args],
+        [sys.executable, "-c", code, "serve", *args, "--port", str(port)],
         cwd=root,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -115,7 +100,7 @@ def served_lm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedLM]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"gaussdp serve did not start: {(root / 'serve.log').read_text()[-2000:]}")
             time.sleep(0.2)
-        yield ServedLM(url, key, db, model_dir, adapter_dir)
+        yield url
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -124,3 +109,27 @@ def served_lm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedLM]:
             proc.kill()
             proc.wait()
         log.close()
+
+
+@pytest.fixture(scope="session")
+def served_lm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedLM]:
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    pytest.importorskip("websockets")
+    from gaussdp.budget import Ledger
+    from gaussdp.service.keys import create_api_key
+
+    root = tmp_path_factory.mktemp("served_lm")
+    model_dir, adapter_dir = save_tiny_lm(root)
+    db = f"sqlite:///{root / 'ledger.db'}"
+    with Ledger(db) as ledger:
+        key = create_api_key(ledger.store, "acme")
+    args = ["--db", db, "--model", f"tiny={model_dir}", "--adapter", f"ad={adapter_dir}"]
+    with serve_subprocess(root, args) as url:
+        yield ServedLM(url, key, db, model_dir, adapter_dir)
+
+
+@pytest.fixture(scope="session")
+def serve_gaussdp() -> Callable[..., contextlib.AbstractContextManager[str]]:
+    """:func:`serve_subprocess`, for test modules that start a server of their own."""
+    return serve_subprocess

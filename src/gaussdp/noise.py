@@ -514,6 +514,15 @@ def add_gaussian_rows(X: Any, sigma: float, *, sensitivity: float, source: Noise
 
     Each row is one norm-bounded release (as :func:`add_gaussian` with ``norm_bounded=True``), done
     in row blocks; the caller clips the rows first (:func:`gaussdp.clipping.clip_rows`).
+
+    The result has ``X``'s dtype (a tensor on ``X``'s device for a tensor). bfloat16 and float16
+    tensors are noised as float32 (which holds their values exactly; numpy has no bfloat16) and the
+    release is then rounded to their dtype: post-processing, no privacy cost.
+
+    Raises:
+        UnsafeInput: NaN/Inf, not 2-D, or values too large for the float-safe grid.
+        FloatingPointError: a noised value overflows a half-precision dtype (float16's largest
+            value is 65504); nothing is returned.
     """
     sigma = check_positive("sigma", sigma)
     sensitivity = check_positive("sensitivity", sensitivity)
@@ -522,15 +531,22 @@ def add_gaussian_rows(X: Any, sigma: float, *, sensitivity: float, source: Noise
         import torch
 
         host = X.detach().to("cpu")
+        if host.dtype in (torch.bfloat16, torch.float16):
+            host = host.float()  # exact: every bfloat16 and float16 value is a float32 value
         out = add_gaussian_rows(host.numpy(), sigma, sensitivity=sensitivity, source=src)
-        return torch.from_numpy(out).to(dtype=X.dtype, device=X.device)
+        released = torch.from_numpy(out).to(dtype=X.dtype)
+        if released.dtype != host.dtype and not bool(torch.isfinite(released).all()):
+            raise FloatingPointError(f"noised rows overflow {X.dtype} (sigma={sigma:g}); nothing released")
+        return released.to(device=X.device)
     arr = _float_array("X", X)
     if arr.ndim != 2:
         raise UnsafeInput(f"X must be a 2-D array (rows, dim), got shape {arr.shape}")
     _check_finite("X", arr)
     n_rows, dim = arr.shape
     if not src.float_safe:
-        return _fast_loop(arr, sigma, 1.0, None, src)
+        with np.errstate(over="ignore"):  # a float16 overflow is refused just below
+            fast = _fast_loop(arr, sigma, 1.0, None, src)
+        return _fits_dtype(fast, sigma)
     g = grid_spacing(sigma, sensitivity=sensitivity, size=dim, norm_bounded=True)
     scale, inv_g = sigma / g, 1.0 / g
     if float(np.max(np.abs(arr))) * inv_g >= _EXACT:
@@ -550,5 +566,13 @@ def add_gaussian_rows(X: Any, sigma: float, *, sensitivity: float, source: Noise
             over = over[sq[over] > bound]
         n += np.rint(src.standard_normal(n.size).reshape(n.shape) * scale)
         n *= g
-        out[start : start + rows] = n
+        with np.errstate(over="ignore"):  # a float16 overflow is refused just below
+            out[start : start + rows] = n  # the cast to the input's dtype is post-processing
+    return _fits_dtype(out, sigma)
+
+
+def _fits_dtype(out: NDArray[Any], sigma: float) -> NDArray[Any]:
+    """``out``, unless a noised value overflowed a half-precision dtype (float16 tops out at 65504)."""
+    if out.dtype.itemsize < 4 and not np.isfinite(out).all():
+        raise FloatingPointError(f"noised rows overflow {out.dtype} (sigma={sigma:g}); nothing released")
     return out

@@ -31,7 +31,9 @@ class TokenStream(Iterator[Token]):
     Raises (from iteration):
         BudgetExhausted: the session's budget ran out; ``tokens_sent``, ``spent``, ``remaining``
             say where (every token sent was charged, nothing else).
-        ServiceError: any other refusal, with the service's code.
+        ServiceError: any other refusal, with the service's code. ``generation_failed`` (status
+            500): a token's forward pass failed; ``body["tokens_charged"]`` and
+            ``body["charged_not_sent"]`` say whether it was charged (that charge stands).
     """
 
     def __init__(self, ws: Any, info: dict[str, Any], timeout: float) -> None:
@@ -151,4 +153,5 @@ def _status_of(code: Any) -> int:
         "database_unavailable": 503,
         "invalid": 422,
         "work_limit_exceeded": 422,
+        "generation_failed": 500,
     }.get(str(code), 409)

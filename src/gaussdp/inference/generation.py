@@ -3,8 +3,12 @@
 With a key/value cache (Hugging Face models), the first pass releases one row per prompt token and
 each later pass one row per sequence (the new token), so a session is charged per request and then
 per generated token; without a cache every pass re-releases the whole sequence and is charged for
-all of it. When the budget runs out mid-stream, :class:`~gaussdp.errors.BudgetExhausted` leaves the
-generator; the tokens already yielded were charged, nothing else was released.
+all of it. Whether the model takes a cache is read from its ``forward`` signature before the first
+pass (:func:`takes_cache`), never guessed from an exception: an error inside a forward pass (the
+privatizer's included) leaves the generator as it is, and is never retried as another code path
+(a retry would charge the same token a second time). When the budget runs out mid-stream,
+:class:`~gaussdp.errors.BudgetExhausted` leaves the generator; the tokens already yielded were
+charged, nothing else was released.
 
 The privatizer needs not be attached: :func:`stream_generate` activates its hook around each
 forward pass (``with privatizer:``) and never across a ``yield``, so the caller's own forward passes
@@ -13,6 +17,7 @@ between two tokens stay clean (and uncharged) unless the caller attached the pri
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +27,26 @@ from torch import nn
 from gaussdp.errors import InvalidParameter
 from gaussdp.inference.privatizer import HiddenStatePrivatizer
 
-__all__ = ["stream_generate"]
+__all__ = ["stream_generate", "takes_cache"]
+
+
+def takes_cache(model: nn.Module) -> str | None:
+    """The name under which ``model``'s forward takes a key/value cache, or ``None`` if it takes none.
+
+    Read from the signature of ``model.forward`` (of the base model under a PEFT wrapper, which
+    passes its keyword arguments through): a model takes a cache when its forward names a
+    ``use_cache`` parameter and a cache parameter, ``cache`` (current transformers) or
+    ``past_key_values`` (older releases, and the name current ones deprecate).
+    """
+    base = getattr(model, "get_base_model", None)
+    target = base() if callable(base) else model
+    try:
+        params = inspect.signature(target.forward).parameters
+    except (TypeError, ValueError):  # a forward with no introspectable signature: no cache
+        return None
+    if "use_cache" not in params:
+        return None
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
 def stream_generate(
@@ -37,19 +61,25 @@ def stream_generate(
     """Greedy decoding that yields each new token id tensor ``(batch,)`` as soon as it is computed.
 
     Args:
-        model: the model ``privatizer`` is hooked into; called as ``model(ids)`` (or with
-            ``past_key_values`` and ``use_cache=True`` for Hugging Face models).
+        model: the model ``privatizer`` is hooked into; called as ``model(ids)``, or, when it takes a
+            key/value cache (:func:`takes_cache`), with ``use_cache=True`` and the cache the model
+            returned on the previous pass (a transformers ``Cache`` such as ``DynamicCache``, built
+            by the model on the first pass) under the name its forward takes.
         input_ids: ``(batch, T)`` prompt token ids.
         privatizer: a :class:`HiddenStatePrivatizer` hooked on a module of ``model`` (attached or
             not: it is active during every forward pass of the generation).
         max_new_tokens: number of tokens to generate, >= 1.
         session_id: the session charged (default: the privatizer's current session).
-        use_cache: use the model's key/value cache when it returns one.
+        use_cache: use the model's key/value cache when it takes one. A model that takes one but
+            returns none is run without it from then on (each pass re-releases, and is charged
+            for, the whole sequence).
 
     Raises:
         BudgetExhausted: the session's budget refused a step (propagates from the hook).
         InvalidParameter: ``privatizer`` is not a privatizer of a module of ``model`` (the
             generation would run clean).
+        Exception: whatever a forward pass raised, unchanged and not retried; the rows of that
+            pass may have been charged (the hook charges before it noises).
     """
     if not isinstance(privatizer, HiddenStatePrivatizer):
         raise InvalidParameter(f"privatizer must be a HiddenStatePrivatizer, got {type(privatizer).__name__}")
@@ -66,27 +96,24 @@ def stream_generate(
     if ids.dim() == 1:
         ids = ids[None, :]
     session = session_id or privatizer.session_id
-    past: Any = None
+    cache_name = takes_cache(model) if use_cache else None
+    cache: Any = None  # the first pass builds it (the model's own Cache class)
     step_input = ids
     for _ in range(max_new_tokens):
         # The session is set around each pass only, never across a yield (the consumer's context
         # may differ between two resumptions of this generator).
         with privatizer, privatizer.session(session), torch.no_grad():
-            if use_cache and past is not None:
-                out = model(step_input, past_key_values=past, use_cache=True)
-            elif use_cache:
-                try:
-                    out = model(step_input, use_cache=True)
-                except TypeError:  # a plain nn.Module without a cache
-                    use_cache = False
-                    out = model(step_input)
-            else:
+            if cache_name is None:
                 out = model(step_input)
+            else:
+                out = model(step_input, use_cache=True, **{cache_name: cache})
         logits = out if isinstance(out, torch.Tensor) else out.logits if hasattr(out, "logits") else out[0]
         next_token = logits[:, -1, :].argmax(dim=-1)
         yield next_token
         ids = torch.cat([ids, next_token[:, None]], dim=1)
-        past = getattr(out, "past_key_values", None) if use_cache else None
-        if use_cache and past is None:
-            use_cache = False
-        step_input = next_token[:, None] if use_cache else ids
+        if cache_name is not None:
+            # read under the name it was passed as (the other name is a deprecated alias that warns)
+            cache = None if isinstance(out, torch.Tensor) else getattr(out, cache_name, None)
+            if cache is None:
+                cache_name = None
+        step_input = next_token[:, None] if cache_name is not None else ids

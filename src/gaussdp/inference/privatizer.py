@@ -62,10 +62,21 @@ from gaussdp._validate import SetOnce, check_choice, check_delta, check_epsilon,
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, UnsafeInput
 from gaussdp.inference._layers import resolve_layer, split_output
 
-__all__ = ["HiddenStatePrivatizer", "ReleaseStats"]
+__all__ = ["HiddenStatePrivatizer", "ReleaseStats", "working_dtype"]
 
 Per = Literal["token", "sequence"]
 Neighbouring = HiddenStateNeighbouring
+
+
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision a hidden state of ``dtype`` is clipped and noised in: float64 for float64,
+    float32 for every narrower floating-point dtype (bfloat16, float16, float32, float8 ...).
+
+    Half-precision states are widened, never clipped or noised in their own dtype: the core's
+    float-safe noise works on float32/float64 values, and float32 holds every bfloat16 and float16
+    value exactly, so the widening changes nothing that is released.
+    """
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass(frozen=True)
@@ -355,14 +366,44 @@ class HiddenStatePrivatizer(SetOnce):
         return hidden.reshape(hidden.shape[0], -1)
 
     def privatize(self, hidden: torch.Tensor, *, session_id: str | None = None) -> torch.Tensor:
-        """Clip, charge, noise and return ``hidden`` (same shape and dtype, no gradient).
+        """Clip, charge, noise and return ``hidden`` (same shape, dtype and device; no gradient).
 
         Rows are the last dimension (``per="token"``) or everything after dim 0 (``"sequence"``).
+        Any floating-point dtype is taken: the rows are clipped and noised in the working precision
+        (:func:`working_dtype`: float32 for bfloat16, float16 and float32 states, float64 for
+        float64), then cast back to ``hidden.dtype``. The cast rounds the release itself, so it is
+        post-processing and costs no privacy; the norm bound ``clip_norm`` holds for the
+        working-precision values that are noised.
 
         Raises:
             TypeError: ``hidden`` is not a floating-point tensor.
             UnsafeInput: NaN/Inf or an empty tensor (nothing charged, nothing released).
+            InvalidParameter: noised values could overflow ``hidden``'s dtype (float16 with a large
+                ``sigma`` or ``clip_norm``; nothing charged, nothing released).
             BudgetExhausted: the session's ledger refused the charge (nothing released).
+            FloatingPointError: the noised state overflowed ``hidden``'s dtype all the same (only
+                possible with ``noise="fast"``, whose deviates are unbounded): nothing released,
+                but the rows were charged (charges are made before the noise is drawn).
+        """
+        dtype = hidden.dtype if isinstance(hidden, torch.Tensor) else None  # else refused below
+        released = self._privatize_rows(hidden, session_id, cast_to=dtype)
+        out = released.reshape(hidden.shape).to(hidden.dtype)
+        if out.dtype != released.dtype and not bool(torch.isfinite(out).all()):
+            raise FloatingPointError(
+                f"the noised hidden state overflows {hidden.dtype} (sigma={self.sigma:g}); nothing "
+                f"released, but its {released.shape[0]} rows were charged"
+            )
+        return out
+
+    def _privatize_rows(
+        self, hidden: Any, session_id: str | None, *, cast_to: torch.dtype | None
+    ) -> torch.Tensor:
+        """The release as rows ``(n, d)`` in the working precision: clip, charge, noise.
+
+        ``cast_to``: the dtype the caller will cast the release to (its range is checked before
+        anything is charged), or ``None``. Split mode sends the rows as they are (rounding them to
+        a half-precision model's dtype would only lose signal); :meth:`privatize` casts them back
+        for the model.
         """
         if not isinstance(hidden, torch.Tensor):
             raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
@@ -370,15 +411,19 @@ class HiddenStatePrivatizer(SetOnce):
             raise TypeError(f"hidden must be a floating-point tensor, got dtype {hidden.dtype}")
         if hidden.dim() == 0 or hidden.numel() == 0:
             raise UnsafeInput(f"hidden must have at least one row, got shape {tuple(hidden.shape)}")
+        if cast_to is not None:
+            self._check_range(cast_to)
         from gaussdp.clipping import clip_rows
 
         with torch.no_grad():
-            rows = self._rows(hidden.detach())
+            # Exact: every bfloat16 and float16 value is a float32 value. The rows are clipped in
+            # the working precision, so the norm bound holds for exactly what is noised.
+            rows = self._rows(hidden.detach()).to(working_dtype(hidden.dtype))
             clipped, norms = clip_rows(rows, self.clip_norm)  # UnsafeInput on NaN/Inf
             self._charge(session_id or self._session.get(), rows.shape[0])
             if self.noise_enabled:
                 released = self._release(clipped)
-                noise = released - clipped  # one temporary in the data's dtype; norms in float64
+                noise = released - clipped  # one temporary in the working dtype; norms in float64
                 noise_norms = torch.linalg.vector_norm(noise, dim=1, dtype=torch.float64).cpu().numpy()
             else:
                 released = clipped
@@ -394,7 +439,26 @@ class HiddenStatePrivatizer(SetOnce):
             mean_noise_norm=mean_noise,
             snr=float(clipped_norms.mean() / mean_noise) if mean_noise > 0 else float("inf"),
         )
-        return released.reshape(hidden.shape).to(hidden.dtype)
+        return released
+
+    def _check_range(self, dtype: torch.dtype) -> None:
+        """Refuse, before any charge, a release whose values could overflow the model's ``dtype``.
+
+        Each released value is a clipped value (``|x| <= clip_norm``) plus noise on the float-safe
+        grid, ``|noise| <= _ZMAX * sigma + g`` with ``g <= sigma * 2**-20`` (the polar method's
+        deviates stay below ``_ZMAX``: :mod:`gaussdp.noise`). Below the dtype's largest value the
+        cast back cannot overflow; float16 (largest 65504) is the dtype where this bites.
+        """
+        from gaussdp.noise import _ZMAX
+
+        largest = float(torch.finfo(dtype).max)
+        bound = self.clip_norm + (_ZMAX + 2.0**-20) * self.sigma
+        if not bound < largest:
+            raise InvalidParameter(
+                f"sigma={self.sigma:g} with clip_norm={self.clip_norm:g}: noised values could reach "
+                f"{bound:.4g}, past the largest {dtype} ({largest:.6g}); serve the model in float32 "
+                "or bfloat16, or lower clip_norm and sigma together"
+            )
 
     def _release(self, clipped: torch.Tensor) -> torch.Tensor:
         """Each clipped row plus N(0, sigma^2 I), floating-point safe unless ``noise="fast"``."""

@@ -81,7 +81,10 @@ def client_forward(
 
     Returns:
         The noised hidden state: ``(batch, dim)`` for ``positions="last"`` on a batched state,
-        otherwise the selected slice's shape. This is the only thing that leaves the client.
+        otherwise the selected slice's shape. This is the only thing that leaves the client. Its
+        dtype is the privatizer's working precision (float32 for a bfloat16, float16 or float32
+        model, float64 for float64): the release itself, not its rounding to a half-precision
+        model's dtype, which would only lose signal.
 
     Raises:
         BudgetExhausted: the session's budget refused the charge; nothing to send.
@@ -109,7 +112,8 @@ def client_forward(
         handle.remove()
     if not captured:
         raise LookupError("the chosen layer did not run during the forward pass")
-    return privatizer.privatize(_select(captured[0], positions), session_id=session_id)
+    selected = _select(captured[0], positions)
+    return privatizer._privatize_rows(selected, session_id, cast_to=None).reshape(selected.shape)
 
 
 def client_finish(

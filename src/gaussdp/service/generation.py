@@ -5,23 +5,61 @@ Each step is one forward pass of the served model with a :class:`gaussdp.inferen
 hooked on one transformer block (clip, charge, noise in the hook), under the model's lock, with the
 charge made through :class:`ChargePerToken` so that it carries the token's idempotency key
 ``"<stream_id>/<index>"``. A step whose forward pass did not charge anything is refused before its
-token can leave.
+token can leave. A step whose forward pass fails is never retried: it raises
+:class:`GenerationFailed`, which says whether the token's charge was recorded before the failure.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from gaussdp._worklimit import cpu_limit, no_cpu_limit
-from gaussdp.budget import Ledger
-from gaussdp.errors import InvalidParameter
+from gaussdp.budget import Ledger, StoreUnavailable
+from gaussdp.errors import InvalidParameter, PrivacyError, WorkLimitExceeded
 from gaussdp.service.models import MAX_PROMPT_TOKENS, GeneratedToken, GenerateIn
 from gaussdp.service.responses import IdempotencyKeyUsed
 
-__all__ = ["ChargePerToken", "Generation"]
+__all__ = ["ChargePerToken", "Generation", "GenerationFailed"]
+
+logger = logging.getLogger("gaussdp.service")
+
+# Raised by the ledger's charge when it records nothing (BudgetExhausted, LedgerContention and
+# TenantLimitExceeded are PrivacyErrors), or before it (the privatizer refuses NaN/Inf states and
+# ranges it cannot release into before it charges): passed on as they are when no charge was
+# recorded in the step.
+_UNCHARGED = (PrivacyError, IdempotencyKeyUsed, StoreUnavailable, WorkLimitExceeded)
+
+
+class GenerationFailed(RuntimeError):
+    """A token's forward pass failed: nothing computed from it was released, and it is not retried.
+
+    Attributes:
+        index: the token's index in the stream.
+        key: the idempotency key of its charge, ``"<stream_id>/<index>"``.
+        receipt: the ledger's receipt when the token's charge was recorded before the failure (the
+            charge stands: charges are never refunded, over-counting is the safe side), else None.
+    """
+
+    def __init__(self, index: int, key: str, receipt: Any, cause: BaseException) -> None:
+        self.index, self.key, self.receipt = index, key, receipt
+        if receipt is not None:
+            what = f"its charge (charge_id {receipt.charge_id}, key {key!r}) was recorded and stands"
+        else:
+            what = "nothing was charged for it"
+        # the cause's class only: its text stays in the server's log
+        super().__init__(
+            f"token {index}'s forward pass failed ({type(cause).__name__}, logged on the server): "
+            f"nothing from it was released; {what}"
+        )
+
+    @property
+    def charged(self) -> bool:
+        """Whether the failed token was charged (and not delivered)."""
+        return self.receipt is not None
 
 
 class ChargePerToken:
@@ -104,11 +142,24 @@ class Generation:
         )
 
     def step(self, index: int) -> GeneratedToken:
-        """Compute, charge (key ``stream_id/index``) and return token ``index``; runs in a worker thread."""
-        self._charges.key = f"{self.stream_id}/{index}"
+        """Compute, charge (key ``stream_id/index``) and return token ``index``; runs in a worker thread.
+
+        Raises:
+            BudgetExhausted, IdempotencyKeyUsed, LedgerContention, StoreUnavailable,
+            WorkLimitExceeded, PrivacyError: refused before a charge was recorded (nothing charged).
+            GenerationFailed: any other failure, or any failure after the charge was recorded; the
+                generation cannot continue.
+        """
+        key = self._charges.key = f"{self.stream_id}/{index}"
         self._charges.receipt = None
-        with self._lock:
-            token = next(self._tokens)
+        try:
+            with self._lock:
+                token = next(self._tokens)
+        except Exception as exc:
+            if self._charges.receipt is None and isinstance(exc, _UNCHARGED):
+                raise
+            logger.error("generation %s: token %d failed", self.stream_id, index, exc_info=True)
+            raise GenerationFailed(index, key, self._charges.receipt, exc) from exc
         receipt = self._charges.receipt
         if receipt is None:  # the hook did not run: the token would leave unprivatized
             raise RuntimeError("no charge was recorded for this token: refusing to send it")

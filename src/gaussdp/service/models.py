@@ -323,7 +323,11 @@ class GenerateOut(BaseModel):
     tokens: list[GeneratedToken]
     text: str | None = Field(description="All generated tokens decoded (null without a tokenizer).")
     finish_reason: Literal["length", "eos", "budget_exhausted", "error"]
-    error: str | None = Field(None, description="budget_exhausted when the budget ran out mid-generation.")
+    error: str | None = Field(
+        None,
+        description="budget_exhausted when the budget ran out mid-generation; generation_failed when "
+        "a token's forward pass failed (detail: whether that token was charged, with its charge_id).",
+    )
     detail: str | None = None
     layer: str
     sigma: float

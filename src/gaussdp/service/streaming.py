@@ -38,7 +38,12 @@ the start message. Giving both is refused; a key in the URL is never read (URLs 
    | "idle", "tokens_sent", "spent", "remaining"}`` with code 1000, or ``{"type": "error", "error":
    CODE, "detail", "tokens_sent", ...}`` with the close code of :data:`CLOSE_CODES`. On exhaustion:
    ``{"type": "error", "error": "budget_exhausted", "tokens_sent": k, "spent": {...},
-   "remaining": {...}}`` and close code :data:`CLOSE_BUDGET_EXHAUSTED` (4402).
+   "remaining": {...}}`` and close code :data:`CLOSE_BUDGET_EXHAUSTED` (4402). When a token's
+   forward pass fails (it is never retried): ``{"type": "error", "error": "generation_failed",
+   "detail", "tokens_sent": k, "tokens_charged": k or k + 1, "charged_not_sent": [] or [{"index",
+   "charge_id", "idempotency_key"}]}`` and close code 1011, whose reason repeats the two counts
+   (``"generation_failed: charged N, sent K"``): the failed token's charge, when it was recorded
+   before the failure, stands and is named; nothing from that token was released.
 
 Flow control: the server computes (and charges) token ``i`` only when ``i < acked + window``, where
 ``acked`` is the client's latest ``ack`` (at most the tokens sent), and only while the client is
@@ -78,6 +83,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -90,10 +96,11 @@ from gaussdp.budget import (
 )
 from gaussdp.errors import InvalidParameter, PrivacyError, WorkLimitExceeded
 from gaussdp.service.auth import Caller
-from gaussdp.service.generation import ChargePerToken, Generation
+from gaussdp.service.generation import ChargePerToken, Generation, GenerationFailed
 from gaussdp.service.models import (
     MAX_NEW_TOKENS,
     SESSION_ID_PATTERN,
+    ErrorOut,
     GeneratedToken,
     GenerateIn,
     GenerateOut,
@@ -128,9 +135,15 @@ CLOSE_CODES = {
     "work_limit_exceeded": 4422,
     "rate_limited": 4429,
     "database_unavailable": 4503,
+    "generation_failed": 1011,
     "internal": 1011,
 }
 _HTTP_ERRORS = {401: "unauthorized", 403: "forbidden", 404: "not_found", 422: "invalid", 429: "rate_limited"}
+_GENERATION_FAILED = {
+    "model": ErrorOut,
+    "description": "generation_failed: the first token's forward pass failed (never retried); the "
+    "detail says whether its charge was recorded (it then stands, with its charge_id).",
+}
 START_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 60.0
 MAX_ACTIVE_GENERATIONS = 32
@@ -151,6 +164,8 @@ def _error_code(exc: BaseException) -> str:
         return "database_unavailable"
     if isinstance(exc, WorkLimitExceeded):
         return "work_limit_exceeded"
+    if isinstance(exc, GenerationFailed):
+        return "generation_failed"
     if isinstance(exc, HTTPException):
         return _HTTP_ERRORS.get(exc.status_code, "invalid")
     if isinstance(exc, PrivacyError | ValidationError | RequestValidationError):
@@ -236,14 +251,14 @@ def generation_router(
     @router.post(
         "/v1/sessions/{session_id}/generate",
         response_model=GenerateOut,
-        responses=responses,
+        responses={**responses, 500: _GENERATION_FAILED},
     )
     def generate(
         session_id: Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The session's id.")],
         body: GenerateIn,
         who: releaser,
         request: Request,
-    ) -> GenerateOut:
+    ) -> GenerateOut | JSONResponse:
         """Generate with the hidden state at ``layer`` clipped and noised for every token; each token
         charged (key ``<stream_id>/<index>``) before the answer is built.
 
@@ -251,7 +266,11 @@ def generation_router(
         each later one the new token's row. When the budget runs out after the first token the
         answer holds the tokens so far with ``finish_reason`` ``budget_exhausted``; before it, 409
         (nothing charged). A retried ``idempotency_key`` is refused with 409 ``idempotency_key_used``.
-        The WebSocket route of the same path streams the tokens (see :mod:`gaussdp.service.streaming`).
+        A failed forward pass is never retried: after the first token the answer holds the tokens so
+        far with ``finish_reason`` ``error``, ``error`` ``generation_failed`` and a ``detail`` that
+        says whether the failed token was charged (its charge_id); at the first token, 500
+        ``generation_failed`` with that detail. The WebSocket route of the same path streams the
+        tokens (see :mod:`gaussdp.service.streaming`).
         """
         p = owned(who.tenant, session_id)
         begin()
@@ -268,6 +287,14 @@ def generation_router(
                     # the tokens so far were charged: they are answered, with the refusal
                     error, detail = _error_code(exc), str(exc)
                     finish = "budget_exhausted" if error == "budget_exhausted" else "error"
+                    break
+                except GenerationFailed as exc:
+                    if not tokens:
+                        on_refused("generation_failed")
+                        return JSONResponse({"detail": str(exc), "error": "generation_failed"}, 500)
+                    # the tokens so far were charged: they are answered, with what failed and whether
+                    # that token was charged too
+                    error, detail, finish = "generation_failed", str(exc), "error"
                     break
                 tokens.append(tok)
                 if gen.eos is not None and tok.token_id == gen.eos:
@@ -326,10 +353,10 @@ def generation_router(
                 self.gone = True
                 return False
 
-        async def close(self, code: int) -> None:
+        async def close(self, code: int, reason: str | None = None) -> None:
             if not self.gone:
                 try:
-                    await self.ws.close(code)
+                    await self.ws.close(code, reason)
                 except Exception:  # already closed by the client
                     self.gone = True
 
@@ -340,6 +367,16 @@ def generation_router(
             if code == "internal" and not isinstance(exc, TimeoutError):
                 detail = "internal error; the tokens sent so far were charged, nothing else was"
             message = {"type": "error", "error": code, "detail": detail, "tokens_sent": self.sent}
+            reason = None
+            if isinstance(exc, GenerationFailed):
+                lost = (
+                    [{"index": exc.index, "charge_id": exc.receipt.charge_id, "idempotency_key": exc.key}]
+                    if exc.charged
+                    else []
+                )
+                charged = self.sent + len(lost)
+                message.update(tokens_charged=charged, charged_not_sent=lost)
+                reason = f"generation_failed: charged {charged}, sent {self.sent}"
             if self.p is not None and code == "budget_exhausted":
                 try:
                     message.update(
@@ -351,7 +388,7 @@ def generation_router(
                 except Exception:  # the figures are a courtesy; the refusal stands
                     logger.warning("could not read the spent budget of %s", self.p)
             if await self.send(message):
-                await self.close(CLOSE_CODES[code])
+                await self.close(CLOSE_CODES[code], reason)
 
         def stop_receiving(self) -> None:
             if self.receiver is not None:
@@ -461,7 +498,7 @@ def generation_router(
                     break
                 try:
                     tok = await run_in_threadpool(gen.step, i)
-                except (*_REFUSALS, PrivacyError) as exc:
+                except (*_REFUSALS, PrivacyError, GenerationFailed) as exc:
                     await self.fail(exc)
                     return
                 if self.gone:  # left during the forward pass: this token was charged, not sent
