@@ -22,12 +22,19 @@ pytestmark = pytest.mark.slow  # one server for the module (torch and transforme
 
 # Run in the server process before the CLI: the privatizer of a stream whose noise multiplier is
 # one of these fails on its n-th forward pass, after that pass's charge ("after": in the noise) or
-# before it ("before": in the range check that precedes the charge). Streams at other multipliers
-# are untouched. The dtype of every state the hook sees is printed to the server's log.
+# before it ("before": in the range check that precedes the charge), with a RuntimeError (a fault)
+# or an UnsafeInput (what NaN in a hidden state raises). Streams at other multipliers are
+# untouched. The dtype of every state the hook sees is printed to the server's log.
 FAULTS = """
+from gaussdp.errors import UnsafeInput
 from gaussdp.inference.privatizer import HiddenStatePrivatizer as P
 
-_PLANS = {7.25: ("after", 3), 7.5: ("after", 1), 7.75: ("before", 1)}
+_PLANS = {
+    7.25: ("after", 3, RuntimeError),
+    7.5: ("after", 1, RuntimeError),
+    7.75: ("before", 1, RuntimeError),
+    7.875: ("before", 2, UnsafeInput),
+}
 _release, _check_range, _privatize = P._release, P._check_range, P.privatize
 
 
@@ -36,7 +43,7 @@ def _fault(self, where):
     if plan is not None and plan[0] == where:
         self.test_fault_passes = getattr(self, "test_fault_passes", 0) + 1
         if self.test_fault_passes == plan[1]:
-            raise RuntimeError("injected fault")
+            raise plan[2]("injected fault")
 
 
 def _faulty_release(self, clipped):
@@ -225,3 +232,9 @@ def test_post_generate_reports_a_fault_after_the_charge(served) -> None:  # type
     assert [c["charge_id"] for c in charges[:2]] == [t["charge_id"] for t in out["tokens"]]
     assert "token 2's forward pass failed" in out["detail"]
     assert f"charge_id {charges[2]['charge_id']}" in out["detail"]
+    # refused before the second token's charge: the first token (charged) is answered, not dropped
+    r = httpx.post(url, json={**body, "noise_multiplier": 7.875}, headers=served.headers, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["finish_reason"] == "error" and out["error"] == "invalid" and len(out["tokens"]) == 1
+    assert len(_charges(served, sid)) == 1 + 3 + 1

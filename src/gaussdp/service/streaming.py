@@ -265,10 +265,12 @@ def generation_router(
         Greedy decoding from the noised model. The first token's charge covers the prompt's rows,
         each later one the new token's row. When the budget runs out after the first token the
         answer holds the tokens so far with ``finish_reason`` ``budget_exhausted``; before it, 409
-        (nothing charged). A retried ``idempotency_key`` is refused with 409 ``idempotency_key_used``.
-        A failed forward pass is never retried: after the first token the answer holds the tokens so
-        far with ``finish_reason`` ``error``, ``error`` ``generation_failed`` and a ``detail`` that
-        says whether the failed token was charged (its charge_id); at the first token, 500
+        (nothing charged). Any other refusal of a later token (nothing charged for it) likewise
+        answers the tokens so far, with ``finish_reason`` ``error`` and its code. A retried
+        ``idempotency_key`` is refused with 409 ``idempotency_key_used``. A failed forward pass is
+        never retried: after the first token the answer holds the tokens so far with
+        ``finish_reason`` ``error``, ``error`` ``generation_failed`` and a ``detail`` that says
+        whether the failed token was charged (its charge_id); at the first token, 500
         ``generation_failed`` with that detail. The WebSocket route of the same path streams the
         tokens (see :mod:`gaussdp.service.streaming`).
         """
@@ -281,7 +283,7 @@ def generation_router(
             for i in range(body.max_new_tokens):
                 try:
                     tok = gen.step(i)
-                except _REFUSALS as exc:
+                except (*_REFUSALS, PrivacyError) as exc:  # nothing charged for this token
                     if not tokens:
                         raise
                     # the tokens so far were charged: they are answered, with the refusal
