@@ -55,7 +55,11 @@ _SCALE_MIN, _SCALE_MAX = 1e-6, 1e6
 
 
 def scale_noise(event: Event, factor: float) -> Event:
-    """``event`` with every noise parameter multiplied by ``factor`` (fixed-cost events unchanged)."""
+    """``event`` with every noise parameter multiplied by ``factor`` (fixed-cost events unchanged).
+
+    Accepted domain: any event tree and ``factor`` finite and > 0 (else InvalidParameter; TypeError
+    for a non-number); a scaled noise parameter outside its event's domain is refused by that event.
+    """
     factor = check_positive("factor", factor)
     if isinstance(event, SelfComposedEvent):
         return SelfComposedEvent(scale_noise(event.event, factor), event.count)
@@ -87,6 +91,9 @@ def noise_scale_for_schedule(
     >>> c = noise_scale_for_schedule(target_epsilon=3.0, delta=1e-5, schedule=run)
     >>> 0.5 < c < 2.0
     True
+
+    Accepted domain: ``target_epsilon`` finite and > 0, ``delta`` in (0, 1), a schedule the named
+    upper-bound accountant accepts, and a factor in [1e-6, 1e6].
 
     Raises:
         InvalidParameter: an approximate accountant (e.g. "gdp"), bad arguments, or no factor in
