@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from scipy import special
 
+from gaussdp._format import format_exact, format_upper
 from gaussdp._lazy import lazy_module
 from gaussdp._validate import check_delta, check_epsilon, check_positive, real_number
 from gaussdp._worklimit import check_work_limit
@@ -233,9 +234,10 @@ def classical_sigma(*, epsilon: float, delta: float, sensitivity: float = 1.0) -
     if true_delta > delta:
         exact = sensitivity / _mu_for_epsilon_delta(epsilon, delta)
         raise InvalidParameter(
-            f"the classical formula is not valid at epsilon={epsilon:g}, delta={delta:g}: its "
-            f"sigma={sigma:.6g} gives true delta={true_delta:.3g} > {delta:g}; "
-            f"use method='analytic' (sigma={exact:.6g})"
+            f"the classical formula is not valid at epsilon={format_exact(epsilon)}, delta="
+            f"{format_exact(delta)}: its sigma={format_exact(sigma)} gives true delta="
+            f"{format_upper(true_delta, 3)} > {format_exact(delta)}; use method='analytic' (sigma="
+            f"{format_upper(exact)})"
         )
     return sigma
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gaussdp._format import format_exact, format_upper
 from gaussdp._validate import SetOnce, check_delta, check_epsilon, check_positive
 from gaussdp.calibration import Method, delta_for, epsilon_for, sigma_for
 from gaussdp.clipping import clip_rows
@@ -200,9 +201,11 @@ class GaussianMechanism(SetOnce):
         return float(out) if scalar else out
 
     def __repr__(self) -> str:
-        eps = "" if self.target is None else f"epsilon={self.target[0]:g}, delta={self.target[1]:g}, "
-        return (
-            f"GaussianMechanism({eps}sigma={self.sigma:.6g}, sensitivity={self.sensitivity:g}, "
+        eps = "" if self.target is None else f"epsilon={format_exact(self.target[0])}, delta="
+        eps += "" if self.target is None else f"{format_exact(self.target[1])}, "
+        return (  # the calibrated sigma rounded up (more noise), the rest as given
+            f"GaussianMechanism({eps}sigma={format_upper(self.sigma)}, sensitivity="
+            f"{format_exact(self.sensitivity)}, "
             f"noise={self.source.name!r}, private={self.private})"
         )
 

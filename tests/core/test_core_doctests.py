@@ -17,6 +17,7 @@ CORE_MODULES = [
     "gaussdp.mechanism",
     "gaussdp.errors",
     "gaussdp._validate",
+    "gaussdp._format",
     "gaussdp.audit",
 ]
 

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from gaussdp._format import format_exact, format_upper
 from gaussdp._validate import check_choice
 from gaussdp.budget._compose import Composer, event_dict, event_key, within
 from gaussdp.budget._sketch import LinearSketch, LivePLD
@@ -283,8 +284,9 @@ class Ledger:
             )
         if not stored.within_budget and not stored.replayed:
             msg = (
-                f"privacy budget of principal {principal!r} exhausted (budget epsilon={row.epsilon:g}, "
-                f"delta={row.delta:g}); the charge was recorded anyway because policy='warn'"
+                f"privacy budget of principal {principal!r} exhausted (budget epsilon="
+                f"{format_exact(row.epsilon)}, delta={format_exact(row.delta)}); the charge was recorded "
+                "anyway because policy='warn'"
             )
             logger.warning(msg)
             warnings.warn(msg, PrivacyWarning, stacklevel=2)
@@ -357,8 +359,9 @@ class Ledger:
             return _Plan(certified)
         spent = self._composer.epsilon(row.accountant, row.delta, tuple(sorted(base.items())))
         refusal = (
-            f"privacy budget of principal {principal!r} exhausted: spent epsilon={spent:.6g} of "
-            f"budget epsilon={row.epsilon:g} at delta={row.delta:g}, and event={event_dict(key)} "
+            f"privacy budget of principal {principal!r} exhausted: spent epsilon={format_upper(spent)} of "
+            f"budget epsilon={format_exact(row.epsilon)} at delta={format_exact(row.delta)}, and "
+            f"event={event_dict(key)} "
             f"does not fit ({row.accountant} accountant); nothing was charged"
         )
         return _Plan(cached[1] if cached is not None and cached[0] == row else None, after, refusal)

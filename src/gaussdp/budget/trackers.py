@@ -23,6 +23,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gaussdp._format import format_exact, format_upper
 from gaussdp._validate import (
     check_choice,
     check_delta,
@@ -216,7 +217,8 @@ class PrivacyAccountant:
             own = make_accountant("pld").compose(event).epsilon(d)
             if own > eps * (1.0 + 1e-9):
                 raise InvalidParameter(
-                    f"event {event!r} is only ({own:.6g}, {d:g})-DP, not ({eps:g}, {d:g})-DP"
+                    f"event {event!r} is only ({format_upper(own)}, {format_exact(d)})-DP, not "
+                    f"({format_exact(eps)}, {format_exact(d)})-DP"
                 )
         if self.ledger is not None:  # charge before recording: BudgetExhausted records nothing
             self.ledger.charge(
@@ -226,10 +228,18 @@ class PrivacyAccountant:
             )
         self.expenditures.append(PrivacyExpenditure(eps, d, round_num, str(description), event))
         total_eps, _ = self.get_total_privacy()
-        logger.debug("recorded spend round=%s eps=%s delta=%s; total eps=%.4f", round_num, eps, d, total_eps)
+        logger.debug(
+            "recorded spend round=%s eps=%s delta=%s; total eps=%s",
+            round_num,
+            eps,
+            d,
+            format_upper(total_eps),
+        )
         if self.target_epsilon is not None and total_eps > self.target_epsilon:
             logger.warning(
-                "Privacy budget exceeded! Total epsilon=%.4f > target=%g", total_eps, self.target_epsilon
+                "Privacy budget exceeded! Total epsilon=%s > target=%s",
+                format_upper(total_eps),
+                format_exact(self.target_epsilon),
             )
 
     def get_total_privacy(self, accountant: str | None = None) -> tuple[float, float]:
@@ -467,13 +477,13 @@ class PrivacyBudgetTracker:
         state = self._state(sid, self._spends(sid))
         if receipt is None:  # refused by the ledger: nothing was charged
             logger.warning(
-                "session %s: the ledger refused a query of epsilon=%g, delta=%g (budget max_epsilon=%g, "
-                "delta=%g)",
+                "session %s: the ledger refused a query of epsilon=%s, delta=%s (budget max_epsilon=%s, "
+                "delta=%s)",
                 sid,
-                eps,
-                d,
-                self.max_epsilon,
-                self.delta,
+                format_exact(eps),
+                format_exact(d),
+                format_exact(self.max_epsilon),
+                format_exact(self.delta),
             )
             return False, state
         if fits and receipt.within_budget:
@@ -483,17 +493,17 @@ class PrivacyBudgetTracker:
 
     def _log_refusal(self, sid: str, eps: float, total: float) -> None:
         logger.warning(
-            "session %s: refused a query of epsilon=%g (total would be %.4f > max_epsilon=%g)",
+            "session %s: refused a query of epsilon=%s (total would be %s > max_epsilon=%s)",
             sid,
-            eps,
-            total,
-            self.max_epsilon,
+            format_exact(eps),
+            format_upper(total),
+            format_exact(self.max_epsilon),
         )
 
     def _warn_exceeded(self, sid: str, total: float, *, stacklevel: int) -> None:
         warnings.warn(
-            f"session {sid}: privacy budget exceeded (total epsilon={total:.4f} > "
-            f"max_epsilon={self.max_epsilon:g}); policy='warn' charged it anyway",
+            f"session {sid}: privacy budget exceeded (total epsilon={format_upper(total)} > "
+            f"max_epsilon={format_exact(self.max_epsilon)}); policy='warn' charged it anyway",
             PrivacyWarning,
             stacklevel=stacklevel,
         )

@@ -23,6 +23,11 @@ EXIT_INTERNAL = 1
 EXIT_USAGE = 2
 EXIT_REFUSED = 3
 
+# Every --json option says so: machine-readable output keeps the floats (their shortest round-trip
+# repr), while text output rounds each privacy number the safe way (gaussdp._format).
+JSON_PRECISION = " (numbers at full precision; text output rounds privacy numbers the safe way)."
+JSON_HELP = "Print one JSON document on stdout" + JSON_PRECISION
+
 PIPE_WIDTH = 4096  # columns of a console writing to a pipe or file: wide enough that nothing wraps
 RULE_WIDTH = 100  # a section rule off a terminal: a line of this many columns, not PIPE_WIDTH
 

@@ -9,7 +9,7 @@ from typing import Any
 import typer
 
 from gaussdp._extras import require_extra
-from gaussdp.cli._output import EXIT_USAGE, emit_json, fail, make_console
+from gaussdp.cli._output import EXIT_USAGE, JSON_HELP, emit_json, fail, make_console
 
 _ALL = ("pld", "rdp", "gdp", "advanced", "basic")  # the plot's curves; gdp drawn dashed, labelled
 
@@ -39,15 +39,24 @@ def account(
     ),
     target_epsilon: float = typer.Option(None, help="Print the noise multiplier that meets this epsilon."),
     plot: str = typer.Option("", help="Write a PNG of epsilon over steps for every accountant."),
-    json_output: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+    json_output: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """Epsilon of STEPS subsampled Gaussian steps (add/remove neighbours), or the noise for a target."""
+    """Epsilon of STEPS subsampled Gaussian steps (add/remove neighbours), or the noise for a target.
+
+    Printed epsilons are rounded up and a printed noise multiplier is rounded up then re-accounted,
+    so that typed back it meets the target; --json gives the unrounded floats.
+    """
+    from gaussdp._format import format_calibrated, format_exact, format_upper
     from gaussdp.accounting import SubsampledGaussianEvent, noise_for_epsilon
     from gaussdp.accounting import accountant as make_accountant
 
     name = accountant.value
     console = make_console()
-    target_sigma = None
+
+    def epsilon_of(noise: float) -> float:
+        step = SubsampledGaussianEvent(noise, sample_rate)
+        return make_accountant(name).compose(step, count=steps).epsilon(delta)
+
     if target_epsilon is not None:
         target_sigma = noise_for_epsilon(
             target_epsilon=target_epsilon,
@@ -56,16 +65,21 @@ def account(
             steps=steps,
             accountant=name,
         )
-        if not json_output:
-            console.print(
-                f"noise multiplier = {target_sigma:.6g} for epsilon <= {target_epsilon:g} at "
-                f"delta={delta:g} ({steps} steps, sample rate {sample_rate:g}, accountant={name})"
-            )
         noise_multiplier = target_sigma
+        if not json_output:
+            # Printed rounded up, then re-accounted: the printed value, typed back, meets the target;
+            # the epsilon line below is that printed value's.
+            sigma_text, noise_multiplier = format_calibrated(
+                target_sigma, lambda s: epsilon_of(s) <= target_epsilon
+            )
+            console.print(
+                f"noise multiplier = {sigma_text} for epsilon <= {format_exact(target_epsilon)} at "
+                f"delta={format_exact(delta)} ({steps} steps, sample rate {format_exact(sample_rate)}, "
+                f"accountant={name})"
+            )
     if noise_multiplier is None:
         fail("give --noise-multiplier or --target-epsilon", EXIT_USAGE)
-    acc = make_accountant(name).compose(SubsampledGaussianEvent(noise_multiplier, sample_rate), count=steps)
-    eps = acc.epsilon(delta)
+    eps = epsilon_of(noise_multiplier)
     if plot:
         _plot(Path(plot), noise_multiplier, sample_rate, steps, delta)
     if json_output:
@@ -84,9 +98,9 @@ def account(
         )
         return
     console.print(
-        f"epsilon = {eps:.6g} at delta={delta:g}   accountant={name}; "
-        f"noise multiplier {noise_multiplier:g}, sample rate {sample_rate:g}, {steps} steps, "
-        "add/remove neighbours"
+        f"epsilon = {format_upper(eps)} at delta={format_exact(delta)}   accountant={name}; "
+        f"noise multiplier {format_exact(noise_multiplier)}, sample rate {format_exact(sample_rate)}, "
+        f"{steps} steps, add/remove neighbours"
     )
     if plot:
         console.print(f"plot written to {plot}")
@@ -123,6 +137,8 @@ def _plot(path: Path, noise_multiplier: float, sample_rate: float, steps: int, d
     require_extra("plot", feature="gaussdp account --plot")
     import matplotlib
 
+    from gaussdp._format import format_exact
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from rich.progress import track
@@ -136,8 +152,10 @@ def _plot(path: Path, noise_multiplier: float, sample_rate: float, steps: int, d
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("steps")
-    ax.set_ylabel(f"epsilon at delta={delta:g}")
-    ax.set_title(f"noise multiplier {noise_multiplier:g}, sample rate {sample_rate:g}")
+    ax.set_ylabel(f"epsilon at delta={format_exact(delta)}")
+    ax.set_title(
+        f"noise multiplier {format_exact(noise_multiplier)}, sample rate {format_exact(sample_rate)}"
+    )
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
@@ -147,21 +165,23 @@ def _plot(path: Path, noise_multiplier: float, sample_rate: float, steps: int, d
 
 def demo(console: Any, out_dir: Path) -> None:
     """Accounting section of ``gaussdp demo``: Abadi et al. 2016's MNIST run under every accountant."""
+    from gaussdp._format import format_exact, format_upper
     from gaussdp.accounting import SubsampledGaussianEvent, noise_for_epsilon
     from gaussdp.accounting import accountant as make_accountant
 
     q, sigma, steps, delta = 256 / 60000, 1.1, 14063, 1e-5
     console.print(
-        f"DP-SGD on MNIST (Abadi et al. 2016): q={q:.6f}, sigma={sigma}, {steps} steps, delta={delta:g}"
+        f"DP-SGD on MNIST (Abadi et al. 2016): q=256/60000, sigma={format_exact(sigma)}, {steps} steps, "
+        f"delta={format_exact(delta)}"
     )
     for name in ("pld", "rdp", "gdp"):
         acc = make_accountant(name, allow_approximate=True).compose(
             SubsampledGaussianEvent(sigma, q), count=steps
         )
         note = "  (CLT approximation, not a bound)" if acc.approximate else ""
-        console.print(f"  {name:<4} epsilon = {acc.epsilon(delta):.4f}{note}")
+        console.print(f"  {name:<4} epsilon = {format_upper(acc.epsilon(delta), 4)}{note}")
     nm = noise_for_epsilon(target_epsilon=2.0, delta=delta, sample_rate=q, steps=steps)
-    console.print(f"  noise multiplier for epsilon <= 2 (pld): {nm:.4f}")
+    console.print(f"  noise multiplier for epsilon <= 2 (pld): {format_upper(nm, 4)}")
     path = out_dir / "accounting_epsilon_over_steps.png"
     try:
         _plot(path, sigma, q, steps, delta)

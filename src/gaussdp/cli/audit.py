@@ -6,6 +6,8 @@ from enum import StrEnum
 
 import typer
 
+from gaussdp.cli._output import JSON_HELP
+
 
 class ReleasePath(StrEnum):
     secure = "secure"
@@ -27,11 +29,12 @@ def audit(
     ),
     sigma_scale: float = typer.Option(1.0, help="Multiply the calibrated sigma (e.g. 0.5 to break it)."),
     alpha: float = typer.Option(1e-6, help="Error probability of the Clopper-Pearson bound."),
-    json_output: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+    json_output: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Release x=sensitivity and x'=0 many times; print the epsilon lower bound the samples certify."""
     import numpy as np
 
+    from gaussdp._format import format_exact, format_lower, format_upper
     from gaussdp.audit import epsilon_lower_bound
     from gaussdp.cli._output import EXIT_USAGE, emit_json, fail, make_console
     from gaussdp.errors import PrivacyError
@@ -78,8 +81,9 @@ def audit(
         return
     verdict = "[red]claim refuted[/red]" if refuted else "consistent"
     console.print(
-        f"path={kind} sigma={sigma:.6g} samples={samples} per side: epsilon lower bound "
-        f"{result.epsilon_lower_bound:.4f} (confidence {1 - alpha:g}) vs claim {epsilon:g}: {verdict}"
+        f"path={kind} sigma={format_upper(sigma)} samples={samples} per side: epsilon lower bound "
+        f"{format_lower(result.epsilon_lower_bound, 5)} (confidence {1 - alpha:g}) vs claim "
+        f"{format_exact(epsilon)}: {verdict}"
     )
     console.print(
         f"best event: {result.event} ({result.count}/{result.n} vs {result.count_neighbour}/"

@@ -8,6 +8,8 @@ from typing import Any
 
 import typer
 
+from gaussdp.cli._output import JSON_HELP
+
 
 def register(app: typer.Typer) -> None:
     app.command()(calibrate)
@@ -31,16 +33,20 @@ def calibrate(
     method: CalibrationMethod = typer.Option(
         CalibrationMethod.analytic, help="'analytic' (exact, default) or 'classical'."
     ),
-    json_output: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+    json_output: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """Print the noise sigma for one (epsilon, delta) Gaussian release, and what it really buys."""
+    """Print the noise sigma for one (epsilon, delta) Gaussian release, and what it really buys.
+
+    The printed sigma is rounded up (more noise) and checked: typed back, it meets (epsilon, delta);
+    the true epsilon and delta printed are that printed sigma's, rounded up. --json gives the
+    unrounded floats of the sigma computed.
+    """
+    from gaussdp._format import format_calibrated, format_exact, format_upper
     from gaussdp.calibration import delta_for, epsilon_for, sigma_for
     from gaussdp.cli._output import emit_json, make_console
 
     how = method.value
     sigma = sigma_for(epsilon=epsilon, delta=delta, sensitivity=sensitivity, method=how)  # type: ignore[arg-type]
-    true_eps = epsilon_for(sigma=sigma, delta=delta, sensitivity=sensitivity)
-    true_delta = delta_for(sigma=sigma, epsilon=epsilon, sensitivity=sensitivity)
     analytic = sigma
     if how == "classical":
         analytic = sigma_for(epsilon=epsilon, delta=delta, sensitivity=sensitivity)
@@ -52,19 +58,31 @@ def calibrate(
                 "epsilon": epsilon,
                 "delta": delta,
                 "sensitivity": sensitivity,
-                "true_epsilon": true_eps,
-                "true_delta": true_delta,
+                "true_epsilon": epsilon_for(sigma=sigma, delta=delta, sensitivity=sensitivity),
+                "true_delta": delta_for(sigma=sigma, epsilon=epsilon, sensitivity=sensitivity),
                 "analytic_sigma": analytic,
             }
         )
         return
+
+    def meets(s: float) -> bool:
+        return epsilon_for(sigma=s, delta=delta, sensitivity=sensitivity) <= epsilon
+
+    sigma_text, printed = format_calibrated(sigma, meets, 10, what="sigma")
     console = make_console()
-    console.print(f"sigma = {sigma:.10g}   (method={how}, sensitivity={sensitivity:g})")
-    console.print(f"true epsilon at delta={delta:g}: {true_eps:.6g}")
-    console.print(f"true delta at epsilon={epsilon:g}: {true_delta:.6g}")
+    console.print(f"sigma = {sigma_text}   (method={how}, sensitivity={format_exact(sensitivity)})")
+    console.print(
+        f"true epsilon at delta={format_exact(delta)}: "
+        f"{format_upper(epsilon_for(sigma=printed, delta=delta, sensitivity=sensitivity))}"
+    )
+    console.print(
+        f"true delta at epsilon={format_exact(epsilon)}: "
+        f"{format_upper(delta_for(sigma=printed, epsilon=epsilon, sensitivity=sensitivity))}"
+    )
     if how == "classical":
+        analytic_text, _ = format_calibrated(analytic, meets, 10, what="sigma")
         console.print(
-            f"the analytic sigma for the same target is {analytic:.10g} "
+            f"the analytic sigma for the same target is {analytic_text} "
             f"(classical adds {sigma / analytic:.3f}x that noise)"
         )
 
@@ -79,7 +97,7 @@ def sanitize(
     noise: NoiseKind = typer.Option(NoiseKind.secure, help="'secure' (floating-point safe) or 'fast'."),
     seed: int | None = typer.Option(None, help="Reproducible noise: the output is NOT private."),
     workers: int | None = typer.Option(None, help="Threads clipping and noising chunks (default: up to 2)."),
-    json_output: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
+    json_output: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Clip every row of IN_PATH to --clip-norm, add calibrated Gaussian noise, write OUT_PATH.
 
@@ -89,6 +107,7 @@ def sanitize(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from gaussdp._format import format_exact, format_upper
     from gaussdp.cli._output import make_console
     from gaussdp.embeddings import sanitize_npy
     from gaussdp.errors import PrivacyError
@@ -155,14 +174,15 @@ def sanitize(
     else:
         console.print(
             f"sanitized {report.rows} rows x {report.cols} ({report.dtype}) -> {out_path}\n"
-            f"clip_norm={report.clip_norm:g}: {report.n_clipped} rows clipped; mean row norm "
+            f"clip_norm={format_exact(report.clip_norm)}: {report.n_clipped} rows clipped; mean row norm "
             f"{report.avg_norm_before:.4g} -> {report.avg_norm_after:.4g}\n"
-            f"noise sigma={report.sigma:.6g} per coordinate ({report.noise})",
+            f"noise sigma={format_upper(report.sigma)} per coordinate ({report.noise})",
             soft_wrap=True,
         )
         console.print(
-            f"true epsilon per individual at delta={report.delta:g}: {report.epsilon:.6g} "
-            f"(add/remove one row); {report.epsilon_replace:.6g} (replace one row)",
+            f"true epsilon per individual at delta={format_exact(report.delta)}: "
+            f"{format_upper(report.epsilon)} (add/remove one row); {format_upper(report.epsilon_replace)} "
+            "(replace one row)",
             soft_wrap=True,
         )
     if not report.private:
@@ -171,14 +191,16 @@ def sanitize(
 
 def demo(console: Any, out_dir: Path) -> None:
     """Core section of ``gaussdp demo``."""
+    from gaussdp._format import format_exact, format_upper
     from gaussdp.calibration import classical_sigma, epsilon_for, sigma_for
 
     for eps in (0.5, 1.0, 4.0, 8.0):
         exact = sigma_for(epsilon=eps, delta=1e-5)
         classical = classical_sigma(epsilon=eps, delta=1e-5)
         console.print(
-            f"epsilon={eps:<4g} delta=1e-5: analytic sigma={exact:.4f}; classical sigma={classical:.4f} "
-            f"(its true epsilon is {epsilon_for(sigma=classical, delta=1e-5):.3f})"
+            f"epsilon={format_exact(eps):<4} delta=1e-5: analytic sigma={format_upper(exact, 5)}; classical "
+            f"sigma={format_upper(classical, 5)} (its true epsilon is "
+            f"{format_upper(epsilon_for(sigma=classical, delta=1e-5), 4)})"
         )
     _demo_release(console)
 
@@ -189,6 +211,7 @@ def _demo_release(console: Any) -> None:
 
     import numpy as np
 
+    from gaussdp._format import format_lower, format_upper
     from gaussdp.audit import epsilon_lower_bound
     from gaussdp.errors import NotPrivateWarning, UnsafeInput
     from gaussdp.mechanism import GaussianMechanism
@@ -198,8 +221,9 @@ def _demo_release(console: Any) -> None:
     y = mech.release(x)
     console.print(
         f"release of {x.tolist()} (norm {float(np.linalg.norm(x)):.2f}, clipped to 1): "
-        f"[{', '.join(f'{v:.3f}' for v in y)}] ({y.dtype}); sigma={mech.sigma:.4f}, true epsilon at "
-        f"delta=1e-5: {mech.epsilon(1e-5):.6f} (noise: {mech.source.name}, float-safe grid)"
+        f"[{', '.join(f'{v:.3f}' for v in y)}] ({y.dtype}); sigma={format_upper(mech.sigma, 5)}, true "
+        f"epsilon at delta=1e-5: {format_upper(mech.epsilon(1e-5))} (noise: {mech.source.name}, "
+        "float-safe grid)"
     )
     try:
         mech.release(np.array([np.nan, 1.0]))
@@ -224,8 +248,8 @@ def _demo_release(console: Any) -> None:
     )
     console.print(
         f"audit ({n} releases of x=1 vs x'=0, claim epsilon=1): gaussdp's lower bound "
-        f"{safe.epsilon_lower_bound:.2f} <= 1; naive float32 x + sigma*Z: "
-        f"{naive.epsilon_lower_bound:.2f} (event: {naive.event}) -- the claim is false"
+        f"{format_lower(safe.epsilon_lower_bound, 3)} <= 1; naive float32 x + sigma*Z: "
+        f"{format_lower(naive.epsilon_lower_bound, 3)} (event: {naive.event}) -- the claim is false"
     )
 
 
@@ -233,6 +257,7 @@ def demo_sanitize(console: Any, out_dir: Path) -> None:
     """Demo section: sanitize a generated embeddings file with ``gaussdp sanitize``'s library call."""
     import numpy as np
 
+    from gaussdp._format import format_upper
     from gaussdp.embeddings import sanitize_npy
 
     rng = np.random.default_rng()
@@ -249,11 +274,11 @@ def demo_sanitize(console: Any, out_dir: Path) -> None:
     y = np.load(out)
     console.print(
         f"sanitized {rows} x {dims} float32 embeddings in chunks of {report.chunk_rows} rows: "
-        f"{report.n_clipped} rows clipped to norm 1, noise sigma={report.sigma:.4f}"
+        f"{report.n_clipped} rows clipped to norm 1, noise sigma={format_upper(report.sigma, 5)}"
     )
     console.print(
-        f"true epsilon per individual at delta=1e-6: {report.epsilon:.4f} (add/remove one row), "
-        f"{report.epsilon_replace:.4f} (replace one row)"
+        f"true epsilon per individual at delta=1e-6: {format_upper(report.epsilon, 5)} (add/remove one "
+        f"row), {format_upper(report.epsilon_replace, 5)} (replace one row)"
     )
     err = float(np.linalg.norm(y.mean(0) - x.mean(0)))
     cos = float(y.mean(0) @ x.mean(0) / (np.linalg.norm(y.mean(0)) * np.linalg.norm(x.mean(0))))

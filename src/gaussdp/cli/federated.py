@@ -18,6 +18,7 @@ from typing import Any
 import typer
 
 from gaussdp._extras import require_extra
+from gaussdp.cli._output import JSON_PRECISION
 
 
 @dataclass
@@ -128,6 +129,8 @@ def _plot(rounds: list[Any], path: Path, budget: float, delta: float) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from gaussdp._format import format_exact
+
     r = [x.round_num for x in rounds]
     fig, ax1 = plt.subplots(figsize=(7, 4))
     ax1.plot(r, [x.metrics["accuracy"] for x in rounds], color="tab:blue", marker=".")
@@ -137,7 +140,7 @@ def _plot(rounds: list[Any], path: Path, budget: float, delta: float) -> Path:
     ax2 = ax1.twinx()
     ax2.plot(r, [x.epsilon for x in rounds], color="tab:red", marker=".")
     ax2.axhline(budget, color="tab:red", linestyle=":", linewidth=1)
-    ax2.set_ylabel(f"client-level epsilon (delta={delta:g})", color="tab:red")
+    ax2.set_ylabel(f"client-level epsilon (delta={format_exact(delta)})", color="tab:red")
     ax1.set_title("DP-FedAvg, 100 clients, digits (non-IID)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -146,22 +149,27 @@ def _plot(rounds: list[Any], path: Path, budget: float, delta: float) -> Path:
 
 
 def _print_round(console: Any) -> Any:
+    from gaussdp._format import format_upper
+
     def show(r: Any) -> None:
         console.print(
             f"round {r.round_num:>3}: {r.answered:>3}/{r.sampled:<3} clients answered, "
             f"clip norm {r.clip_norm:.3f}, accuracy {r.metrics['accuracy']:.3f}, "
-            f"epsilon {r.epsilon:.3f}"
+            f"epsilon {format_upper(r.epsilon, 4)}"
         )
 
     return show
 
 
 def _summary(console: Any, res: DemoResult, budget: float) -> None:
+    from gaussdp._format import format_exact, format_upper
+
     if res.stopped:
         console.print(f"[yellow]stopped:[/yellow] {res.stopped}")
     console.print(
         f"{len(res.rounds)} rounds, test accuracy {res.accuracy:.3f}; client-level "
-        f"(epsilon={res.epsilon:.3f}, delta={res.delta:g})-DP (budget epsilon={budget:g}), Poisson "
+        f"(epsilon={format_upper(res.epsilon, 4)}, delta={format_exact(res.delta)})-DP (budget "
+        f"epsilon={format_exact(budget)}), Poisson "
         "sampling amplification accounted"
     )
     console.print(
@@ -191,7 +199,9 @@ def federated_demo(
     accountant: LedgerAccountant = typer.Option(LedgerAccountant.pld, help="Ledger accountant: pld or rdp."),
     out_dir: str = typer.Option("demo_out", help="Where the ledger and the PNG go."),
     json_output: bool = typer.Option(
-        False, "--json", help="Print the run as one JSON document on stdout (rounds go to stderr)."
+        False,
+        "--json",
+        help="Print the run as one JSON document on stdout, rounds on stderr" + JSON_PRECISION,
     ),
 ) -> None:
     """DP-FedAvg on 100 simulated clients (digits, non-IID), epsilon printed after every round."""

@@ -15,6 +15,8 @@ from typing import Annotated, Any
 
 import typer
 
+from gaussdp.cli._output import JSON_PRECISION
+
 
 def register(app: typer.Typer) -> None:
     app.command("finetune")(finetune)
@@ -33,19 +35,28 @@ class FinetuneAccountant(StrEnum):
 
 
 def _plan_lines(plan: Any, config: Any) -> list[str]:
-    from gaussdp.finetune import epsilon_text
+    """The plan for people: epsilon rounded up; a calibrated noise multiplier rounded up and
+    re-accounted (typed back with --noise-multiplier it meets the target); inputs as given."""
+    from gaussdp._format import format_calibrated, format_exact, format_upper
 
-    how = (
-        f"calibrated for target epsilon {config.target_epsilon:g}"
-        if config.target_epsilon is not None
-        else "as given"
-    )
+    if config.target_epsilon is not None:
+        from gaussdp.accounting import SubsampledGaussianEvent, accountant
+
+        def meets(s: float) -> bool:
+            step = SubsampledGaussianEvent(s, plan.sample_rate)
+            eps = accountant(plan.accountant).compose(step, count=plan.steps).epsilon(plan.delta)
+            return bool(eps <= config.target_epsilon)
+
+        sigma, _ = format_calibrated(plan.noise_multiplier, meets)
+        how = f"calibrated for target epsilon {format_exact(config.target_epsilon)}"
+    else:
+        sigma, how = format_exact(plan.noise_multiplier), "as given"
     return [
         f"plan: {plan.n_records} records, {plan.epochs} epoch(s) = {plan.steps} steps, Poisson sample "
-        f"rate {plan.sample_rate:.6g} (expected batch {plan.expected_batch_size:.4g})",
-        f"noise multiplier sigma = {plan.noise_multiplier:.6g} ({how}), clip norm {plan.clip_norm:g}",
-        f"epsilon = {epsilon_text(plan.epsilon)} at delta = {plan.delta:g} ({plan.accountant} accountant, "
-        "add/remove one record)",
+        f"rate {format_exact(plan.sample_rate)} (expected batch {plan.expected_batch_size:.4g})",
+        f"noise multiplier sigma = {sigma} ({how}), clip norm {format_exact(plan.clip_norm)}",
+        f"epsilon = {format_upper(plan.epsilon)} at delta = {format_exact(plan.delta)} "
+        f"({plan.accountant} accountant, add/remove one record)",
     ]
 
 
@@ -87,7 +98,10 @@ def finetune(
     ] = None,
     seed: Annotated[int | None, typer.Option(help="Reproducible run: the adapter is NOT private.")] = None,
     json_output: Annotated[
-        bool, typer.Option("--json", help="Print the plan and result as one JSON document on stdout.")
+        bool,
+        typer.Option(
+            "--json", help="Print the plan and result as one JSON document on stdout" + JSON_PRECISION
+        ),
     ] = False,
 ) -> None:
     """Fine-tune LoRA adapters of --model on CORPUS with DP-SGD; write a private peft adapter to --out.
@@ -101,6 +115,7 @@ def finetune(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from gaussdp._format import format_exact
     from gaussdp.cli._output import emit_json, make_console
     from gaussdp.errors import InvalidParameter, NotPrivateWarning
     from gaussdp.finetune import (
@@ -208,7 +223,7 @@ def finetune(
     console.print(
         f"trained {result.trainable_parameters} LoRA parameters for {result.steps_done} steps "
         f"({result.tokens} tokens in {result.train_seconds:.1f} s); epsilon spent "
-        f"{epsilon_text(result.epsilon)} at delta={plan.delta:g}"
+        f"{epsilon_text(result.epsilon)} at delta={format_exact(plan.delta)}"
     )
     console.print(f"adapter written to {path}; model card: {card}")
 

@@ -9,6 +9,7 @@ from typing import Any
 import typer
 
 from gaussdp._neighbouring import DEFAULT_HIDDEN_STATE_NEIGHBOURING, HIDDEN_STATE_NEIGHBOURINGS
+from gaussdp.cli._output import JSON_PRECISION
 
 
 def register(app: typer.Typer) -> None:
@@ -51,6 +52,8 @@ def _floats(name: str, text: str) -> list[float]:
 
 
 def _print_document_000(console: Any, doc: Any) -> None:
+    from gaussdp._format import format_upper
+
     a, m = doc.analytic, doc.measured
     console.print(
         "[bold]The private inference server's setting[/bold]: d=1536, clip C=1, "
@@ -65,10 +68,12 @@ def _print_document_000(console: Any, doc: Any) -> None:
         f"the document reports {doc.claimed_snr:.2f} by dividing the UNCLIPPED norm 177.5"
     )
     console.print(
-        f"  true epsilon per request of that sigma: {doc.epsilon_add_remove:.3f} (sensitivity C, the "
-        f"document's relation), {doc.epsilon_replace:.3f} (replace-one, sensitivity 2C)"
+        f"  true epsilon per request of that sigma: {format_upper(doc.epsilon_add_remove, 4)} (sensitivity "
+        f"C, the document's relation), {format_upper(doc.epsilon_replace, 4)} (replace-one, sensitivity 2C)"
     )
-    console.print(f"  an SNR of 1 at d=1536 would need epsilon = {doc.epsilon_for_snr_1:.0f} per request")
+    console.print(
+        f"  an SNR of 1 at d=1536 would need epsilon = {format_upper(doc.epsilon_for_snr_1, 4)} per request"
+    )
 
 
 def inference_report(
@@ -98,7 +103,9 @@ def inference_report(
     ),
     out: str = typer.Option("inference_report.png", help="Where to write the PNG."),
     json_output: bool = typer.Option(
-        False, "--json", help="Print the sweep as one JSON document on stdout (the table goes to stderr)."
+        False,
+        "--json",
+        help="Print the sweep as one JSON document on stdout, the table on stderr" + JSON_PRECISION,
     ),
 ) -> None:
     """Sweep epsilon and clip norm, print SNR and next-token effects, draw the privacy/utility PNG."""
@@ -206,8 +213,11 @@ def run_report(
     )
     from rich import box
 
+    from gaussdp._format import format_exact, format_upper
+
+    # epsilon (an upper bound), the sensitivity C and the calibrated sigma rounded up; utility as is
     table = table_cls(
-        title=f"hidden-state privatization, {type(lm).__name__}, delta={delta:g}, {neighbouring}",
+        title=f"hidden-state privatization, {type(lm).__name__}, delta={format_exact(delta)}, {neighbouring}",
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
     )
@@ -215,9 +225,9 @@ def run_report(
         table.add_column(col, justify="right", no_wrap=True)
     for r in reports:
         table.add_row(
-            f"{r.epsilon_per_token:.3g}",
-            f"{r.clip_norm:.2g}",
-            f"{r.sigma:.2g}",
+            "-" if r.epsilon_per_token is None else format_upper(r.epsilon_per_token, 3),
+            format_upper(r.clip_norm, 2),
+            format_upper(r.sigma, 2),
             f"{r.mean_hidden_norm:.2g}",
             f"{r.fraction_clipped:.0%}",
             f"{r.mean_noise_norm:.2g}",
@@ -242,6 +252,7 @@ def demo(console: Any, out_dir: Path) -> None:
     import torch
     from rich.table import Table
 
+    from gaussdp._format import format_upper
     from gaussdp.budget import Budget, Ledger
     from gaussdp.errors import BudgetExhausted
     from gaussdp.inference import HiddenStatePrivatizer
@@ -256,7 +267,7 @@ def demo(console: Any, out_dir: Path) -> None:
     ) as priv:
         console.print(
             f"hooked {priv.layer_path}: clip C=1, per-token epsilon=1, delta=1e-5 (replace-one) -> "
-            f"sigma={priv.sigma:.3f}; session budget epsilon=8 (PLD accountant)"
+            f"sigma={format_upper(priv.sigma, 4)}; session budget epsilon=8 (PLD accountant)"
         )
         for i in range(1, 50):
             try:
@@ -269,7 +280,7 @@ def demo(console: Any, out_dir: Path) -> None:
                 raise RuntimeError("the privatizer released without recording its release")
             console.print(
                 f"request {i}: {s.rows} tokens charged, "
-                f"spent epsilon={ledger.spent('session-1').epsilon:.3f}; "
+                f"spent epsilon={format_upper(ledger.spent('session-1').epsilon, 4)}; "
                 f"|h|={s.mean_norm:.2f}, |noise|={s.mean_noise_norm:.1f}, SNR={s.snr:.4f}"
             )
     # A small model trained on real text (gensim's Lee corpus), so that the perplexities below mean

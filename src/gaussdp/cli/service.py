@@ -8,6 +8,8 @@ from typing import Any
 
 import typer
 
+from gaussdp.cli._output import JSON_HELP
+
 DEFAULT_DB = "sqlite:///gaussdp-ledger.db"
 _DB_HELP = "Ledger database URL: sqlite:///path.db (default, in the working directory) or postgresql://..."
 
@@ -392,6 +394,7 @@ def tenants_limits(
     ),
 ) -> None:
     """Set TENANT's caps (none given: show them); sessions already open are counted."""
+    from gaussdp._format import format_exact
     from gaussdp.budget import Ledger
 
     with Ledger(db) as ledger:
@@ -403,14 +406,15 @@ def tenants_limits(
     else:
         typer.echo(
             f"{tenant}: sessions {limits.sessions}/{limits.max_sessions or '-'}, "
-            f"epsilon granted {limits.epsilon_granted:g}/{limits.max_epsilon or '-'}"
+            f"epsilon granted {format_exact(limits.epsilon_granted)}/"
+            f"{'-' if not limits.max_epsilon else format_exact(limits.max_epsilon)}"
         )
 
 
 def ledger_show(
     prefix: str = typer.Argument("", help="Show principals whose name starts with this."),
     db: str = typer.Option(DEFAULT_DB, "--db", help=_DB_HELP + " Opened read-only."),
-    json_output: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+    json_output: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Budget, spent and charges of each principal (read-only: never creates or changes the ledger)."""
     from gaussdp.cli._output import emit_json, make_console
@@ -437,7 +441,10 @@ def _ledger_row(ledger: Any, principal: str) -> dict[str, Any]:
 
 
 def _ledger_table(ledger: Any, principals: list[str]) -> Any:
+    """The ledger for people: budgets as configured, spent epsilon rounded up."""
     from rich.table import Table
+
+    from gaussdp._format import format_exact, format_upper
 
     table = Table(title="privacy ledger")
     for col in ("principal", "accountant", "budget (eps, delta)", "events x count", "spent eps", "charges"):
@@ -448,20 +455,23 @@ def _ledger_table(ledger: Any, principals: list[str]) -> Any:
         table.add_row(
             p,
             ledger.accountant(p),
-            f"({budget.epsilon:g}, {budget.delta:g})",
+            f"({format_exact(budget.epsilon)}, {format_exact(budget.delta)})",
             events or "-",
-            f"{spent.epsilon:.4f}",
+            format_upper(spent.epsilon),
             str(sum(c for _, c in ledger.events(p))),
         )
     return table
 
 
 def _describe(event: Any) -> str:
+    """An event's parameters as recorded (exact: each reads back as the float charged)."""
+    from gaussdp._format import format_exact
+
     d = event.to_dict()
     kind = d.pop("type", type(event).__name__)
     return (
         f"{kind}("
-        + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items())
+        + ", ".join(f"{k}={format_exact(v)}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items())
         + ")"
     )
 
@@ -479,6 +489,7 @@ def demo(console: Any, out_dir: Path) -> None:
     import httpx
     import numpy as np
 
+    from gaussdp._format import format_upper
     from gaussdp.budget import Ledger
     from gaussdp.calibration import classical_sigma
     from gaussdp.service.app import create_app
@@ -518,13 +529,14 @@ def demo(console: Any, out_dir: Path) -> None:
             console.print(
                 f"released {released} noised hidden states (d=1536, clip 1, epsilon=1, delta=1e-5 each, "
                 f"neighbouring={out['neighbouring']}, "
-                f"analytic sigma={sigma:.4f} instead of the classical {classical:.4f}); "
+                f"analytic sigma={format_upper(sigma, 5)} instead of the classical "
+                f"{format_upper(classical, 5)}); "
                 f"then HTTP {last.status_code}: {last.json()['detail'][:110]}..."
             )
             spent = ledger.spent(f"demo-tenant/{sid}").epsilon
             console.print(
                 f"basic composition (summing epsilons) would have stopped at 10 releases; the PLD ledger "
-                f"allowed {released}, spending epsilon={spent:.4f} <= 10 (an upper bound); a single further "
-                f"release would take it to {_one_more(released):.4f}"
+                f"allowed {released}, spending epsilon={format_upper(spent, 5)} <= 10 (an upper bound); a "
+                f"single further release would take it to {format_upper(_one_more(released), 5)}"
             )
         console.print(_ledger_table(ledger, ledger.principals()))

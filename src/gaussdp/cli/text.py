@@ -9,6 +9,8 @@ from typing import Annotated, Any
 
 import typer
 
+from gaussdp.cli._output import JSON_HELP, JSON_PRECISION
+
 _MECHANISM_HELP = (
     "gaussian (word vector plus Gaussian noise, then the nearest word), laplace (multivariate), "
     "mahalanobis, or tem."
@@ -79,6 +81,8 @@ def _build_mechanism(
 def _print_guarantees(console: Any, result: Any) -> None:
     from rich.table import Table
 
+    from gaussdp._format import format_exact, format_upper
+
     table = Table(title=f"guarantee ({result.mechanism}, {result.params})")
     table.add_column("what")
     table.add_column("distance", justify="right")
@@ -102,9 +106,17 @@ def _print_guarantees(console: Any, result: Any) -> None:
                 result.guarantee_worst.to_dict(),
             )
         )
+    # rho and epsilon are upper bounds (rounded up), at the distance shown (rounded up: both grow
+    # with it) and the delta chosen (as given).
     for label, g in rows:
-        rho = "-" if g["rho"] is None else f"{g['rho']:.4g}"
-        table.add_row(label, f"{g['distance']:.4g}", f"{g['epsilon']:.4g}", f"{g['delta']:.3g}", rho)
+        rho = "-" if g["rho"] is None else format_upper(g["rho"], 4)
+        table.add_row(
+            label,
+            format_upper(g["distance"], 4),
+            format_upper(g["epsilon"], 4),
+            format_exact(g["delta"]),
+            rho,
+        )
     console.print(table)
     console.print(
         f"words: {result.n_words}, unknown: {result.n_unknown}, changed: {result.n_changed} "
@@ -148,7 +160,8 @@ def perturb_text_command(
     ] = SearchMethod.exact,
     report: Annotated[Path | None, typer.Option(help="Also write the statistics as JSON here.")] = None,
     json_output: Annotated[
-        bool, typer.Option("--json", help="Print the statistics as one JSON document on stdout.")
+        bool,
+        typer.Option("--json", help="Print the statistics as one JSON document on stdout" + JSON_PRECISION),
     ] = False,
 ) -> None:
     """Perturb every word of IN.txt (local DP) and write the released words to OUT.txt."""
@@ -258,9 +271,10 @@ def vocab_stats(
     vocab: Annotated[Path, typer.Argument(metavar="VOCAB", help="A vocabulary file.")],
     sigma: Annotated[float, typer.Option(help="Gaussian sigma to report the per-word guarantee for.")] = 0.1,
     delta: float = 1e-5,
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Size, distances, and what a Gaussian sigma means for words of this vocabulary."""
+    from gaussdp._format import format_exact, format_upper
     from gaussdp.cli._output import make_console
     from gaussdp.text.mechanisms import GaussianWordMechanism
     from gaussdp.text.vocabulary import Vocabulary
@@ -297,14 +311,14 @@ def vocab_stats(
     console.print(f"{vocabulary}; {vocabulary.meta.get('source', '')}")
     console.print(f"median nearest-neighbour distance: {d_nn:.4g}")
     console.print(
-        f"diameter bound: {vocabulary.diameter_bound:.4g} (box diagonal 2*sqrt(dim) = "
-        f"{vocabulary.box_diameter:.4g})"
+        f"diameter bound: {format_upper(vocabulary.diameter_bound, 4)} (box diagonal 2*sqrt(dim) = "
+        f"{format_upper(vocabulary.box_diameter, 4)})"
     )
     for label, d in distances:
         g = mech.word_guarantee(d)
         console.print(
-            f"sigma={sigma:g}, {label} (d={d:.4g}): rho={g.rho:.4g}, "
-            f"epsilon={g.epsilon:.4g} at delta={delta:g}"
+            f"sigma={format_exact(sigma)}, {label} (d={format_upper(d, 4)}): rho={format_upper(g.rho, 4)}, "
+            f"epsilon={format_upper(g.epsilon, 4)} at delta={format_exact(delta)}"
         )
 
 
@@ -314,6 +328,7 @@ def _guarantee(g: Any) -> dict[str, Any]:
 
 def demo(console: Any, out_dir: Path) -> None:
     """Text local DP section of ``gaussdp demo``: perturb a paragraph, print the statistics."""
+    from gaussdp._format import format_upper
     from gaussdp.calibration import epsilon_for
     from gaussdp.text.corpus import DEMO_PARAGRAPH, shipped_vocabulary
     from gaussdp.text.mechanisms import GaussianWordMechanism, TruncatedExponentialWordMechanism
@@ -323,8 +338,9 @@ def demo(console: Any, out_dir: Path) -> None:
     console.print(f"{vocabulary}: {vocabulary.meta.get('source', '')}")
     console.print(
         "the often-claimed epsilon ~96.9 per word for sigma=0.1 is wrong; exact epsilon at its own "
-        f"sensitivity 2: {epsilon_for(sigma=0.1, delta=1e-5, sensitivity=2.0):.1f}, at the true worst case "
-        f"2*sqrt(50): {epsilon_for(sigma=0.1, delta=1e-5, sensitivity=vocabulary.box_diameter):.4g}"
+        f"sensitivity 2: {format_upper(epsilon_for(sigma=0.1, delta=1e-5, sensitivity=2.0), 3)}, at the true "
+        f"worst case 2*sqrt(50): "
+        f"{format_upper(epsilon_for(sigma=0.1, delta=1e-5, sensitivity=vocabulary.box_diameter), 4)}"
     )
     console.print("[bold]input:[/bold]\n" + DEMO_PARAGRAPH)
     for mech in (

@@ -12,6 +12,8 @@ from typing import Any
 
 import typer
 
+from gaussdp.cli._output import JSON_HELP
+
 
 def register(app: typer.Typer) -> None:
     app.command("dp-sgd")(dp_sgd)
@@ -95,9 +97,10 @@ def dp_sgd(
     epsilon: float = typer.Option(8.0, help="Target epsilon for the whole training run."),
     delta: float = typer.Option(1e-5, help="Target delta."),
     epochs: int = typer.Option(15, help="Epochs (expected passes over the data)."),
-    json_output: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+    json_output: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Train an MLP on the bundled digits with DP-SGD and print accuracy and the epsilon spent."""
+    from gaussdp._format import format_exact, format_upper
     from gaussdp.cli._output import emit_json, make_console
 
     console = make_console()
@@ -106,8 +109,9 @@ def dp_sgd(
         emit_json({**res, "target_epsilon": epsilon, "delta": delta, "epochs": epochs})
         return
     console.print(
-        f"DP-SGD digits: test accuracy {res['accuracy']:.3f}, epsilon spent {res['epsilon']:.3f} "
-        f"at delta={delta:g} (noise multiplier {res['noise_multiplier']:.3f})"
+        f"DP-SGD digits: test accuracy {res['accuracy']:.3f}, epsilon spent "
+        f"{format_upper(res['epsilon'], 4)} at delta={format_exact(delta)} (noise multiplier "
+        f"{format_upper(res['noise_multiplier'], 4)})"
     )
 
 
@@ -117,6 +121,8 @@ def demo(console: Any, out_dir: Path) -> None:
 
     from rich.table import Table
 
+    from gaussdp._format import format_exact, format_upper
+
     delta = 1e-5
     table = Table(title="MLP on scikit-learn digits (1347 train / 450 test), 15 epochs")
     for col in ("training", "noise multiplier", "epsilon spent", "test accuracy", "seconds"):
@@ -124,17 +130,17 @@ def demo(console: Any, out_dir: Path) -> None:
     for eps in (None, 8.0, 1.0):
         t0 = time.perf_counter()
         res = train_digits(eps, delta=delta)
-        label = "non-private" if eps is None else f"DP-SGD, target epsilon {eps:g}"
-        spent = "inf (no noise)" if eps is None else f"{res['epsilon']:.3f}"
+        label = "non-private" if eps is None else f"DP-SGD, target epsilon {format_exact(eps)}"
+        spent = "inf (no noise)" if eps is None else format_upper(res["epsilon"], 4)
         table.add_row(
             label,
-            f"{res['noise_multiplier']:.3f}",
+            format_upper(res["noise_multiplier"], 4),
             spent,
             f"{res['accuracy']:.3f}",
             f"{time.perf_counter() - t0:.1f}",
         )
     console.print(table)
     console.print(
-        f"epsilon at delta={delta:g}, PLD accountant, add/remove one image; Poisson sampling, "
+        f"epsilon at delta={format_exact(delta)}, PLD accountant, add/remove one image; Poisson sampling, "
         "per-sample clipping at norm 1, noise once per step (gaussdp.torch.PrivacyEngine)."
     )

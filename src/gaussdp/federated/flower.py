@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from gaussdp._format import format_exact, format_upper
 from gaussdp.errors import BudgetExhausted, InvalidParameter, PrivacyError, UnsafeInput
 from gaussdp.federated._tree import flatten, unflatten
 
@@ -183,15 +184,15 @@ class DPFedAvgStrategy(Strategy):
         """Log the DP settings and the privacy spent so far (the ledger's figure)."""
         s = self.server
         log.info(
-            "DP-FedAvg (gaussdp): N=%d clients, q=%g, noise multiplier z=%g, clip norm C=%.4g, "
-            "rounds done=%d, epsilon spent=%.4f at delta=%g",
+            "DP-FedAvg (gaussdp): N=%d clients, q=%s, noise multiplier z=%s, clip norm C=%.4g, "
+            "rounds done=%d, epsilon spent=%s at delta=%s",
             s.num_clients,
-            s.sample_rate,
-            s.noise_multiplier,
+            format_exact(s.sample_rate),
+            format_exact(s.noise_multiplier),
             s.clip_norm,
             s.rounds_done,
-            s.epsilon(),
-            s.ledger.delta,
+            format_upper(s.epsilon()),
+            format_exact(s.ledger.delta),
         )
 
     # -- the global model ---------------------------------------------------------------------------
@@ -335,12 +336,12 @@ class DPFedAvgStrategy(Strategy):
             }
         )
         log.info(
-            "round %d released: %d/%d answered, epsilon=%.4f at delta=%g",
+            "round %d released: %d/%d answered, epsilon=%s at delta=%s",
             res.round_num,
             res.answered,
             res.sampled,
-            res.epsilon,
-            res.delta,
+            format_upper(res.epsilon),
+            format_exact(res.delta),
         )
         return self.arrays, metrics
 

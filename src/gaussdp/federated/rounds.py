@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from gaussdp._format import format_exact, format_upper
 from gaussdp.errors import BudgetExhausted, InvalidParameter, PrivacyError
 
 __all__ = ["RoundLedger", "privacy_accountant", "round_key", "round_of", "round_report"]
@@ -109,8 +110,9 @@ class RoundLedger:
             after = self.epsilon_after(event, 1)
             raise BudgetExhausted(
                 f"stopping before round {round_num} of {self.principal!r}: it would take the epsilon from "
-                f"{spent:.4f} to {after:.4f} > budget epsilon={self.budget.epsilon:g} at delta="
-                f"{self.budget.delta:g} ({self.accountant} accountant); nothing was sampled, charged or "
+                f"{format_upper(spent)} to {format_upper(after)} > budget epsilon="
+                f"{format_exact(self.budget.epsilon)} at delta={format_exact(self.budget.delta)} "
+                f"({self.accountant} accountant); nothing was sampled, charged or "
                 "released"
             )
 

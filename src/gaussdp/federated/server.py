@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from gaussdp._format import format_upper
 from gaussdp._validate import check_choice, check_positive, check_probability
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, PrivacyError, UnsafeInput
 from gaussdp.federated.adaptive import AdaptiveClipping, effective_noise_multiplier
@@ -398,5 +399,5 @@ class DPFedAvg:
         return (
             f"DPFedAvg(num_clients={self.num_clients}, sample_rate={self.sample_rate}, "
             f"noise_multiplier={self.noise_multiplier}, clip_norm={self._clip_norm:.4g}, "
-            f"rounds_done={self.rounds_done}, epsilon_spent={self.epsilon():.4g})"
+            f"rounds_done={self.rounds_done}, epsilon_spent={format_upper(self.epsilon())})"
         )

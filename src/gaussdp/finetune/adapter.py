@@ -22,6 +22,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from gaussdp._format import format_exact
 from gaussdp.errors import InvalidParameter
 from gaussdp.finetune.plan import epsilon_text
 from gaussdp.finetune.train import FinetuneResult
@@ -134,8 +135,9 @@ def privacy_summary(
 
 
 def _fmt(x: Any) -> str:
+    """A parameter as given (the shortest decimal that reads back as the same float)."""
     if isinstance(x, float):
-        return f"{x:.6g}"
+        return format_exact(x)
     return str(x)
 
 
@@ -175,7 +177,7 @@ def model_card(
     s = privacy_summary(result, local_dp=local_dp, corpus_name=corpus_name)
     c = s["central_dp"]
     corpus = _md(corpus_name) if corpus_name else "an uploaded corpus"
-    eps, delta = epsilon_text(c["epsilon"]), _fmt(c["delta"])
+    eps, delta = epsilon_text(c["epsilon"]), format_exact(c["delta"])
     lines = [
         "---",
         "library_name: peft",

@@ -103,16 +103,14 @@ def default_target_modules(model_type: str) -> tuple[str, ...]:
 def epsilon_text(x: float, digits: int = 4) -> str:
     """``x`` to ``digits`` significant digits, rounded UP: a printed epsilon stays an upper bound.
 
+    :func:`gaussdp._format.format_upper` (the decimal printed is >= the float; NaN refused).
+
     >>> epsilon_text(1.23441), epsilon_text(7.9999968)
     ('1.235', '8')
     """
-    if not math.isfinite(x) or x <= 0.0:
-        return str(x)
-    scale = 10.0 ** (digits - 1 - math.floor(math.log10(x)))
-    up = math.ceil(x * scale * (1.0 - 1e-15)) / scale
-    while up < x:  # the float division may land just below
-        up = math.nextafter(up, math.inf)
-    return f"{up:.{digits}g}"
+    from gaussdp._format import format_upper
+
+    return format_upper(x, digits)
 
 
 def _int(name: str, value: Any, lo: int, hi: int) -> int:
@@ -446,7 +444,7 @@ def plan_finetune(config: FinetuneConfig, *, n_records: int) -> FinetunePlan:
     epsilon = _epsilon(config.accountant, event, delta)
     if not math.isfinite(epsilon):
         raise InvalidParameter(
-            f"noise_multiplier={sigma!r} is too small: the run's epsilon at delta={delta:g} is not finite"
+            f"noise_multiplier={sigma!r} is too small: the run's epsilon at delta={delta!r} is not finite"
         )
     if config.target_epsilon is not None and not epsilon <= config.target_epsilon:
         raise InvalidParameter(  # noise_for_epsilon verifies its answer: this is a safety net

@@ -58,7 +58,11 @@ class FinetuneCancelled(RuntimeError):
     """
 
     def __init__(self, steps_done: int, epsilon: float) -> None:
-        super().__init__(f"fine-tuning cancelled after {steps_done} steps (epsilon spent {epsilon:.6g})")
+        from gaussdp._format import format_upper
+
+        super().__init__(
+            f"fine-tuning cancelled after {steps_done} steps (epsilon spent {format_upper(epsilon)})"
+        )
         self.steps_done = steps_done
         self.epsilon = epsilon
 

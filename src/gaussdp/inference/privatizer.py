@@ -52,6 +52,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from gaussdp._format import format_exact, format_upper
 from gaussdp._neighbouring import (
     DEFAULT_HIDDEN_STATE_NEIGHBOURING,
     HIDDEN_STATE_NEIGHBOURINGS,
@@ -514,9 +515,11 @@ class HiddenStatePrivatizer(SetOnce):
         return 0.0 if acc is None else float(acc.epsilon(check_delta(d)))
 
     def __repr__(self) -> str:
+        sigma = getattr(self, "sigma", None)
+        shown = "unset" if sigma is None or sigma != sigma else format_upper(sigma)  # rounded up
         return (
-            f"HiddenStatePrivatizer(layer={self.layer_path!r}, clip_norm={self.clip_norm:g}, "
-            f"sigma={getattr(self, 'sigma', float('nan')):.6g}, per={self.per!r}, "
+            f"HiddenStatePrivatizer(layer={self.layer_path!r}, clip_norm={format_exact(self.clip_norm)}, "
+            f"sigma={shown}, per={self.per!r}, "
             f"neighbouring={self.neighbouring!r}, "
             f"attached={self.attached}, private={self.private})"
         )

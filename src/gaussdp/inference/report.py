@@ -169,7 +169,8 @@ def plot_privacy_utility(
     if doc is not None:
         axes[2].axhline(doc.analytic.snr, color="red", lw=1)
         axes[2].set_title(
-            f"red line: the private inference server (d=1536, C=1, sigma=4.84),\nSNR {doc.analytic.snr:.4f}, "
+            "red line: the private inference server (d=1536, C=1, sigma=4.8448),\n"
+            f"SNR {doc.analytic.snr:.4f}, "
             f"not the {doc.claimed_snr:.2f} it claims",
             fontsize=9,
             color="red",

@@ -19,6 +19,8 @@
   }
 
   function $(id) { return document.getElementById(id); }
+  // Privacy numbers shown rounded up (epsilon, distance); the delta as sent (exact).
+  function up(x, digits) { return core.upperText(x, digits); }
 
   function mechanism() {
     const name = $("mechanism").value;
@@ -114,9 +116,9 @@
       if (g.detail) { $("guarantee").textContent = String(JSON.stringify(g.detail)); return; }
       const nn = g.nearest_neighbour, worst = g.vocabulary_diameter;
       $("guarantee").textContent =
-        "Per word: epsilon " + nn.epsilon.toPrecision(4) + " (delta " + nn.delta + ") against its typical " +
-        "nearest neighbour (distance " + nn.distance.toPrecision(3) + "); epsilon " +
-        worst.epsilon.toPrecision(4) + " against any other word (distance " + worst.distance.toPrecision(3) +
+        "Per word: epsilon " + up(nn.epsilon, 4) + " (delta " + nn.delta + ") against its typical " +
+        "nearest neighbour (distance " + up(nn.distance, 3) + "); epsilon " +
+        up(worst.epsilon, 4) + " against any other word (distance " + up(worst.distance, 3) +
         "). " + (m.name === "gaussian" ? "zCDP rho adds over the words of a text. " : "Epsilons add over the words of a text. ") +
         (g.unknown_words || "");
     }).catch(() => {});
@@ -124,7 +126,7 @@
 
   function showJob(j) {
     $("job").textContent = "job " + state.jobId + ": " + j.state + ", step " + (j.step || 0) + "/" + (j.steps || "?") +
-      ", epsilon so far " + (j.epsilon_so_far == null ? "-" : Number(j.epsilon_so_far).toPrecision(4)) +
+      ", epsilon so far " + (j.epsilon_so_far == null ? "-" : up(Number(j.epsilon_so_far), 4)) +
       ", loss " + (j.loss == null ? "-" : Number(j.loss).toPrecision(4));
     if (j.steps) { $("job-progress").max = j.steps; $("job-progress").value = j.step || 0; }
     if (j.state === "succeeded") { $("job-progress").value = $("job-progress").max; fetchAdapter(); }

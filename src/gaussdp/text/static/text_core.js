@@ -182,8 +182,37 @@
     return out;
   }
 
+  // `x` rounded UP to `digits` significant digits (gaussdp._format.format_upper): the decimal shown
+  // is never below the float it stands for, so a printed epsilon stays an upper bound. toPrecision
+  // rounds to nearest; here the float's exact value (mantissa * 2^e as a BigInt decimal) is cut.
+  function upperText(x, digits) {
+    if (typeof x !== "number" || Number.isNaN(x)) throw new Error("refusing to print a non-number");
+    if (!Number.isFinite(x) || x === 0) return x === 0 ? "0" : String(x);
+    const view = new DataView(new ArrayBuffer(8));
+    view.setFloat64(0, Math.abs(x));
+    const bits = view.getBigUint64(0);
+    const biased = Number((bits >> 52n) & 0x7ffn);
+    let mant = bits & ((1n << 52n) - 1n), e2 = -1074;
+    if (biased !== 0) { mant |= 1n << 52n; e2 = biased - 1075; }
+    // |x| = num * 10^e10 exactly (2^-k = 5^k * 10^-k)
+    const num = e2 >= 0 ? mant << BigInt(e2) : mant * 5n ** BigInt(-e2), e10 = Math.min(e2, 0);
+    const s = num.toString(), cut = Math.max(0, s.length - digits);
+    let head = BigInt(s.slice(0, s.length - cut)), scale = e10 + cut;
+    if (x > 0 && /[1-9]/.test(s.slice(s.length - cut))) head += 1n;  // up; a negative x is cut toward 0
+    let h = head.toString();
+    if (h.length > digits) { h = h.slice(0, digits); scale += 1; }  // 999.. + 1 carried: a trailing 0
+    if (h.length < digits) { scale -= digits - h.length; h = h.padEnd(digits, "0"); }
+    // |shown| = h * 10^scale, h of exactly `digits` digits, laid out as toPrecision does, no float
+    const lead = scale + digits - 1, sign = x < 0 ? "-" : "";
+    if (lead < -6 || lead >= digits) {
+      return sign + h[0] + (digits > 1 ? "." + h.slice(1) : "") + "e" + (lead < 0 ? "-" : "+") + Math.abs(lead);
+    }
+    if (lead >= 0) return sign + h.slice(0, lead + 1) + (lead + 1 < digits ? "." + h.slice(lead + 1) : "");
+    return sign + "0." + "0".repeat(-lead - 1) + h;
+  }
+
   root.gaussdpCore = {
     tokenize: tokenize, buildVocab: buildVocab, ngramHashes: ngramHashes, subwordVector: subwordVector,
-    perturbLines: perturbLines, sampleWord: sampleWord, nearest: nearest, noisy: noisy,
+    perturbLines: perturbLines, sampleWord: sampleWord, nearest: nearest, noisy: noisy, upperText: upperText,
   };
 })(typeof self !== "undefined" ? self : this);
