@@ -42,9 +42,9 @@ def test_instance_norm_running_statistics_refused():
         lambda: nn.SyncBatchNorm(4),
         lambda: nn.LazyBatchNorm1d(),
         lambda: nn.InstanceNorm2d(4, track_running_stats=True),
-        lambda: nn.LSTM(4, 4),
-        lambda: nn.GRU(4, 4),
-        lambda: nn.RNN(4, 4),
+        lambda: nn.LSTM(4, 4, num_layers=2, dropout=0.1),
+        lambda: nn.GRU(4, 4, num_layers=2, dropout=0.1),
+        lambda: nn.RNN(4, 4, num_layers=2, dropout=0.1),
     ],
 )
 def test_validate_lists_every_refused_module_by_path(make):
@@ -130,7 +130,11 @@ def test_fix_refuses_what_it_cannot_replace():
 
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
 @pytest.mark.parametrize(
-    "kw", [{"batch_first": False}, {"batch_first": True, "num_layers": 2, "dropout": 0.5}]
+    "kw",
+    [
+        {"batch_first": False, "num_layers": 2, "dropout": 0.5},
+        {"batch_first": True, "num_layers": 2, "dropout": 0.5},
+    ],
 )
 def test_fix_replaces_listed_recurrent_layers_by_opacus_layers_with_the_same_weights(cls, kw):
     pytest.importorskip("opacus")
@@ -160,8 +164,8 @@ class Recurrent(nn.Module):
     ("layer", "message"),
     [
         (
-            nn.LSTM(4, 5),
-            r"rnn \(LSTM\): batch_first=False .*; use batch_first=True, or opacus\.layers\.DPLSTM",
+            nn.LSTM(4, 5, num_layers=2, dropout=0.3),
+            r"rnn \(LSTM\): dropout=0\.3 .*; use dropout=0, or opacus\.layers\.DPLSTM",
         ),
         (
             nn.GRU(4, 5, 2, batch_first=True, dropout=0.1),

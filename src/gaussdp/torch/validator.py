@@ -14,11 +14,15 @@ their parameters (a frozen ``BatchNorm`` mixes samples as much as a trainable on
   averages over every sample seen, saved with the model and used in eval mode; an
   ``InstanceNorm`` forward in train mode is per sample, its buffers are not.
 
-Fused recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) are trained as they are (their
-recurrence is replayed per sample, :mod:`gaussdp.torch._rnn`), except in configurations the replay
-cannot follow (``batch_first=False``, ``proj_size``, dropout between layers, subclasses): those are
-listed where they have trainable parameters, with Opacus's ``DPLSTM``/``DPGRU``/``DPRNN`` (made
-of linear maps) as the replacement.
+Fused recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``, batch-first or not) are trained as
+they are (their recurrence is replayed per sample, :mod:`gaussdp.torch._rnn`), except in
+configurations the replay cannot follow (``proj_size``, dropout between layers, subclasses): those
+are listed where they have trainable parameters, with Opacus's ``DPLSTM``/``DPGRU``/``DPRNN``
+(made of linear maps) as the replacement.
+
+What no check by module type can see (a statistic over the batch computed in ``forward`` without a
+module, the sequence put in the batch dimension) is looked for on a real batch by the independence
+probe of ``make_private`` (:mod:`gaussdp.torch._probe`).
 
 :meth:`ModuleValidator.fix` returns a copy of the model with each refused module replaced: a
 ``BatchNorm`` by a ``GroupNorm`` over the same channels, an ``InstanceNorm`` by the same layer
@@ -151,7 +155,7 @@ class ModuleValidator:
           ``affine`` and the affine parameters (values and ``requires_grad``) are kept.
         - ``InstanceNorm`` with ``track_running_stats=True``: the same layer without running
           statistics (it then normalises with each sample's own statistics in eval mode too).
-        - a listed ``nn.LSTM``/``GRU``/``RNN`` (``batch_first=False`` or dropout between layers):
+        - a listed ``nn.LSTM``/``GRU``/``RNN`` (dropout between layers):
           Opacus's ``DPLSTM``/``DPGRU``/``DPRNN`` with the same weights and options (Opacus must be
           installed: ``pip install opacus``).
 
