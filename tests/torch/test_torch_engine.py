@@ -652,3 +652,34 @@ def test_empty_loader_refused_without_poisson_sampling():
             max_grad_norm=1.0,
             poisson_sampling=False,
         )
+
+
+def test_sparse_embedding_trains_with_a_dense_noisy_gradient():
+    """Embedding(sparse=True) trains where Opacus does (SGD); the noisy gradient is dense (noise on
+    every row), so SparseAdam, which takes sparse gradients only, is refused at make_private."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(13, 4, sparse=True), nn.Flatten(), nn.Linear(12, 3))
+    data = TensorDataset(torch.randint(0, 13, (64, 3)), torch.randint(0, 3, (64,)))
+    with pytest.raises(InvalidParameter, match="SparseAdam"):
+        PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SparseAdam(list(model[0].parameters())),
+            data_loader=DataLoader(data, batch_size=16),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+    engine = PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=16),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
+    before = model[0].weight.detach().clone()
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert engine.steps == 4 and not model[0].weight.grad.is_sparse
+    assert (model[0].weight != before).all()  # every row noised, used or not

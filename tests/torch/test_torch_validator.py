@@ -216,3 +216,24 @@ def test_frozen_fused_rnn_in_any_configuration_is_accepted():
     assert len(ModuleValidator.validate(rnn)) == 1
     rnn.requires_grad_(False)
     assert ModuleValidator.validate(nn.Sequential(rnn)) == []
+
+
+@pytest.mark.parametrize("cls", [nn.Embedding, nn.EmbeddingBag])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_embedding_max_norm_refused_and_fixed(cls, frozen):
+    """max_norm renormalises the looked-up rows in place, without noise: after one batch the weights
+    show which rows the data used, whether the layer is trained or frozen."""
+    torch.manual_seed(0)
+    emb = cls(10, 4, max_norm=0.5).requires_grad_(not frozen)
+    with torch.no_grad():
+        emb.weight.mul_(10)
+    before = emb.weight.detach().clone()
+    emb(torch.tensor([[1, 2]]))
+    touched = (emb.weight != before).any(1).nonzero().flatten().tolist()
+    assert touched == [1, 2]  # the data's rows, visible in the weights
+    problems = ModuleValidator.validate(nn.Sequential(emb))
+    assert [(p.path, p.kind) for p in problems] == [("0", cls.__name__)]
+    assert "max_norm=0.5 renormalises" in problems[0].reason
+    fixed = ModuleValidator.fix(nn.Sequential(emb))
+    assert fixed[0].max_norm is None and torch.equal(fixed[0].weight, emb.weight)
+    assert ModuleValidator.validate(fixed) == [] and emb.max_norm == 0.5

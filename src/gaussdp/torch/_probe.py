@@ -12,6 +12,9 @@ What it does: ``m`` records of the dataset (about half a batch, at least 2: both
 cost about one forward and backward pass of a training batch), collated with the loader's
 ``collate_fn``, and the same records with the first one replaced by another record of the dataset
 whose inputs have the same shapes (so that a collate padding to the longest record pads both alike).
+The module is run on a batch as most training loops do (:func:`_calls`: ``module(*batch[:-1])``
+then ``module(batch[0])`` for a tuple, ``module(**batch)`` without the target keys for a dict), or
+by the function given as ``independence_probe``.
 Each batch is run forward and backward with the same random state (dropout draws the same masks),
 through the clipper's own hooks, with a fixed random linear loss on the outputs. Then:
 
@@ -75,28 +78,41 @@ class ProbeReport:
     skipped: str | None = None
 
 
-def run_batch(module: nn.Module, batch: Any) -> Any:
-    """Run ``module`` on a batch as most training loops do (the probe's default).
+def _calls(batch: Any) -> list[tuple[str, Callable[[nn.Module], Any]]]:
+    """The ways the probe tries to run a module on ``batch``, in order, with how each reads.
 
-    A tensor is the input; a tuple or list is ``(*inputs, target)`` (one element: the input); a
-    dict is keyword inputs, without the target keys ``label(s)``, ``target(s)`` and ``y``.
+    A tensor is the input. A tuple or list is ``(*inputs, target)``: ``module(*batch[:-1])``,
+    then ``module(batch[0])`` (one element: ``module(batch[0])``). A dict holds keyword inputs:
+    ``module(**batch)`` without the target keys ``label(s)``, ``target(s)`` and ``y``.
     """
     if isinstance(batch, torch.Tensor):
-        return module(batch)
+        return [("module(batch)", lambda m: m(batch))]
     if isinstance(batch, Mapping):
-        return module(**_inputs(batch))
-    if isinstance(batch, list | tuple):
-        return module(*_inputs(batch))
+        kwargs = {k: v for k, v in batch.items() if k not in _TARGET_KEYS}
+        return [("module(**batch) without its target keys", lambda m: m(**kwargs))]
+    if isinstance(batch, list | tuple) and batch:
+        out: list[tuple[str, Callable[[nn.Module], Any]]] = []
+        if len(batch) > 2:
+            out.append(("module(*batch[:-1])", lambda m: m(*batch[:-1])))
+        out.append(("module(batch[0])", lambda m: m(batch[0])))
+        return out
     raise TypeError(f"a batch of type {type(batch).__name__} (not a tensor, tuple, list or dict)")
 
 
-def _inputs(batch: Any) -> Any:
-    """The part of a batch :func:`run_batch` gives the module."""
+def _key_inputs(batch: Any) -> Any:
+    """What every way of :func:`_calls` gives the module (a changed record must change it)."""
     if isinstance(batch, Mapping):
         return {k: v for k, v in batch.items() if k not in _TARGET_KEYS}
     if isinstance(batch, list | tuple):
-        return tuple(batch[:-1]) if len(batch) > 1 else tuple(batch)
+        return batch[0] if batch else None
     return batch
+
+
+def _all_inputs(batch: Any) -> Any:
+    """Everything any way of :func:`_calls` may give the module (its shapes must not change)."""
+    if isinstance(batch, list | tuple):
+        return tuple(batch[:-1]) if len(batch) > 1 else tuple(batch)
+    return _key_inputs(batch)
 
 
 def _leaves(tree: Any) -> Iterator[Any]:
@@ -178,7 +194,7 @@ def run_probe(
         clipper: its :class:`gaussdp.torch.PerSampleClipper`.
         data_loader: the user's loader: its ``dataset`` and ``collate_fn`` give the batch.
         run: ``run(module, batch) -> output``, how the training loop runs the model on a batch as
-            the loader yields it; None: :func:`run_batch`, on the module's device.
+            the loader yields it; None: the ways of :func:`_calls`, on the module's device.
         batch_first: where the batch dimension of the outputs is looked for (0, else 1).
         expected_batch_size: the loader's (expected) batch size; the probe uses about half.
 
@@ -199,16 +215,16 @@ def run_probe(
     collate = data_loader.collate_fn
     records = [dataset[i] for i in range(m)]
 
-    def key(record: Any) -> Any:
+    def key(record: Any) -> tuple[Any, Any]:  # (what must differ, what must keep its shapes)
         one = collate([record])
-        return one if run is not None else _inputs(one)
+        return (one, one) if run is not None else (_key_inputs(one), _all_inputs(one))
 
     first = key(records[0])
     replacement = None
     for k in range(m, min(n, m + _SCAN)):
         other = dataset[k]
         cand = key(other)
-        if _shapes(cand) == _shapes(first) and not _same(cand, first):
+        if _shapes(cand[1]) == _shapes(first[1]) and not _same(cand[0], first[0]):
             replacement = other
             break
     if replacement is None:
@@ -223,22 +239,34 @@ def run_probe(
     params = list(module.parameters())
     device = params[0].device if params else torch.device("cpu")
 
+    chosen: list[int] = []  # the way of _calls that ran the first batch, for the second
+
     def forward(batch: Any) -> Any:
         if run is not None:
             return run(module, batch)
-        try:
-            return run_batch(module, _to(batch, device))
-        except PrivacyError:
-            raise
-        except Exception as err:
-            raise InvalidParameter(
-                "independence_probe: make_private runs the module on a batch of the data loader to "
-                "check that no sample moves another's output or gradient, as module(*batch[:-1]) "
-                "(module(**batch) without the target keys for a dict), and that failed: "
-                f"{type(err).__name__}: {err}. Pass independence_probe=fn, where fn(module, batch) "
-                "runs the module on a batch as your training loop does, or independence_probe=False "
-                "to skip the check (per-sample independence is then yours to ensure)"
-            ) from err
+        ways = _calls(_to(batch, device))
+        if chosen:
+            return ways[chosen[0]][1](module)
+        errors = []
+        for i, (how, call) in enumerate(ways):
+            try:
+                out = call(module)
+            except PrivacyError:
+                raise
+            except Exception as err:
+                clipper.reset()  # the calls a failed forward left
+                errors.append(f"{how}: {type(err).__name__}: {err}")
+                continue
+            chosen.append(i)
+            return out
+        raise InvalidParameter(
+            "independence_probe: make_private runs the module on a batch of the data loader to check "
+            "that no sample moves another's output or gradient, and could not: "
+            + "; ".join(errors)
+            + ". Pass independence_probe=fn, where fn(module, batch) runs the module on a batch as "
+            "your training loop does, or independence_probe=False to skip the check (per-sample "
+            "independence is then yours to ensure)"
+        )
 
     runs = []
     with _preserved(module, clipper):

@@ -404,6 +404,9 @@ class BatchMemoryManager:
     is charged, noised or released; the last one's step charges one release and adds the noise once
     for the whole batch. So the privacy is that of the batch as drawn, whatever ``m``.
 
+    Opacus's own ``opacus.utils.batch_memory_manager.BatchMemoryManager`` works as well: it builds
+    a loader around the returned loader's ``batch_sampler``, which records what it hands out.
+
     Args:
         data_loader: the loader ``make_private`` returned.
         max_physical_batch_size: the most samples one forward/backward pass gets (> 0).

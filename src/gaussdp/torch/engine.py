@@ -240,12 +240,13 @@ class PrivacyEngine:
                 gradient (``x - x.mean(0)``, the sequence in the batch dimension, ...). It costs
                 about one forward and backward pass of a batch and leaves no trace (random state,
                 buffers, train/eval flags and gradients restored); ``engine.probe_report`` says what
-                it measured. The batch is run as ``module(*batch[:-1])`` (a tuple or list: the
-                last element is the target), ``module(batch)`` (a tensor) or ``module(**batch)``
-                without the keys ``label(s)``, ``target(s)``, ``y`` (a dict), on the module's
-                device; a function ``fn(module, batch) -> output`` runs it otherwise. False skips
-                it. What it cannot catch is listed in :mod:`gaussdp.torch._probe` and the DP-SGD
-                guide (a loss that mixes samples, behaviour that depends on the batch).
+                it measured. The batch is run, on the module's device, as ``module(batch)`` (a
+                tensor), ``module(*batch[:-1])`` and else ``module(batch[0])`` (a tuple or list:
+                the last element is the target), or ``module(**batch)`` without the keys
+                ``label(s)``, ``target(s)``, ``y`` (a dict); a function
+                ``fn(module, batch) -> output`` runs it otherwise. False skips it. What it
+                cannot catch is listed in :mod:`gaussdp.torch._probe` and the DP-SGD guide (a
+                loss that mixes samples, behaviour that depends on the batch).
 
         Returns:
             ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion, data_loader)``
