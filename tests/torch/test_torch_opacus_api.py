@@ -331,7 +331,7 @@ def test_batch_first_false_gives_the_sums_of_the_transposed_batch():
                 batch_first=batch_first,
                 independence_probe=run,
             )
-        assert engine.probe_report.samples == 3 and engine.probe_report.skipped is None
+        assert engine.probe_report.samples == 2 and engine.probe_report.skipped is None
         x, y = next(iter(loader))
         out = run(model, (x, y))
         if not batch_first:
@@ -346,8 +346,8 @@ def test_batch_first_false_gives_the_sums_of_the_transposed_batch():
 
 def test_batch_first_false_refuses_other_layers_by_name():
     model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 3))  # 2-D inputs: no batch in dimension 1
-    with pytest.raises(UnsafeInput, match=r"batch_first=False: Linear \(input shape \(8, [46]\)\)"):
-        _private(model=model, batch_first=False)  # the probe's batch of 8 reaches the refusal
+    with pytest.raises(UnsafeInput, match=r"batch_first=False: Linear \(input shape \(4, [46]\)\)"):
+        _private(model=model, batch_first=False)  # the probe's batch of 4 reaches the refusal
     _, model, _, _ = _private(model=model, batch_first=False, independence_probe=False)
     with pytest.raises(UnsafeInput, match=r"batch_first=False: Linear \(input shape \(5, [46]\)\)"):
         model(torch.randn(5, 6)).sum().backward()

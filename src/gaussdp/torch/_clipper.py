@@ -474,6 +474,8 @@ class PerSampleClipper:
             return None
         for p in self._owned[module].values():
             p.requires_grad_(True)
+        if output is None:  # the forward raised (this hook always runs): nothing to keep
+            return None
         flat, spec = _flatten(output)
         call = _Call(module, _detach(args), _detach(kwargs), len(flat))
         if isinstance(module, nn.MultiheadAttention):

@@ -8,8 +8,8 @@ catches the rest that shows on a real batch: a parameter-free statistic over the
 (``x - x.mean(0)``), the sequence in the batch dimension (a transpose to ``(T, B, ...)`` while
 ``batch_first=True``), a recurrence or attention run across the batch.
 
-What it does: ``m`` records of the dataset (about half a batch, at least 2: both runs together
-cost about one forward and backward pass of a training batch), collated with the loader's
+What it does: ``m`` records of the dataset (a quarter of a batch, at least 2 and at most 32: both
+runs together cost about half a forward and backward pass of a training batch), collated with the loader's
 ``collate_fn``, and the same records with the first one replaced by another record of the dataset
 whose inputs have the same shapes (so that a collate padding to the longest record pads both alike).
 The module is run on a batch as most training loops do (:func:`_calls`: ``module(*batch[:-1])``
@@ -54,6 +54,10 @@ __all__ = ["ProbeReport", "SampleMixing", "run_probe"]
 # keys of a dict batch that hold targets, not inputs (Hugging Face "labels", datasets' "label")
 _TARGET_KEYS = frozenset({"label", "labels", "target", "targets", "y"})
 _SCAN = 64  # records looked at for a replacement of the first one
+# The most records the probe runs at once. Mixing moves the other samples by about 1/m of the
+# change (x - x.mean(0)), far above the tolerance at this size; a larger batch would only cost
+# memory (make_private does not know the physical batch size a BatchMemoryManager will use).
+_MAX_SAMPLES = 32
 _SEED = 20240917  # the probe's own random state: the same for both runs
 
 
@@ -196,7 +200,7 @@ def run_probe(
         run: ``run(module, batch) -> output``, how the training loop runs the model on a batch as
             the loader yields it; None: the ways of :func:`_calls`, on the module's device.
         batch_first: where the batch dimension of the outputs is looked for (0, else 1).
-        expected_batch_size: the loader's (expected) batch size; the probe uses about half.
+        expected_batch_size: the loader's (expected) batch size; the probe uses a quarter (at most 32).
 
     Raises:
         SampleMixing: a finding (the message names it).
@@ -209,7 +213,7 @@ def run_probe(
         n = len(dataset)
     except TypeError:
         return ProbeReport(0, 0.0, 0.0, time.perf_counter() - t0, "the dataset has no length")
-    m = min(max(2, -(-round(expected_batch_size) // 2)), n - 1)
+    m = min(max(2, -(-round(expected_batch_size) // 4)), _MAX_SAMPLES, n - 1)
     if m < 2:
         return ProbeReport(0, 0.0, 0.0, time.perf_counter() - t0, f"the dataset has {n} records (< 3)")
     collate = data_loader.collate_fn
@@ -271,7 +275,7 @@ def run_probe(
     runs = []
     with _preserved(module, clipper):
         for batch in batches:
-            torch.manual_seed(_SEED)  # the same dropout masks in both runs (restored afterwards)
+            _seed(module)  # the same dropout masks in both runs (restored afterwards)
             with clipper.probing() as record, torch.enable_grad():
                 out = forward(batch)
                 outs = [t for t in _leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -385,6 +389,18 @@ def _compare_gradients(
     return (worst, rtol), moved
 
 
+def _cuda_devices(module: nn.Module) -> list[int]:
+    return sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+
+
+def _seed(module: nn.Module) -> None:
+    """Seed the generators the module's forward draws from: the CPU's and its CUDA devices' (only
+    those, whose states :class:`_preserved` restores; ``torch.manual_seed`` would seed every GPU)."""
+    torch.default_generator.manual_seed(_SEED)
+    for i in _cuda_devices(module):
+        torch.cuda.default_generators[i].manual_seed(_SEED)
+
+
 class _preserved:
     """Everything the probe's runs could change, put back afterwards: the random state (CPU and the
     module's CUDA devices), buffers, train/eval flags, parameter gradients, the clipper's state."""
@@ -394,8 +410,7 @@ class _preserved:
 
     def __enter__(self) -> None:
         m = self.module
-        devices = sorted({p.device.index or 0 for p in m.parameters() if p.device.type == "cuda"})
-        self.rng = torch.random.fork_rng(devices=devices)
+        self.rng = torch.random.fork_rng(devices=_cuda_devices(m))
         self.rng.__enter__()
         # each buffer by its owner and name: a forward may replace one rather than update it
         self.buffers = [

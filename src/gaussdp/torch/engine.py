@@ -131,7 +131,6 @@ class PrivacyEngine:
         self.probe_report: ProbeReport | None = None  # what the independence probe found and cost
         self._drawn: Any = None  # the batches the loader handed out (gaussdp.torch.data.DrawnBatches)
         self._pass_seen = -1
-        self._pass_steps = 0
         self._pass_mu2 = 0.0  # mu^2 of the Gaussian releases charged in the current pass
 
     @property
@@ -232,13 +231,14 @@ class PrivacyEngine:
                 gradients of each trainable parameter (shape ``(B, *p.shape)``, unclipped, as
                 in Opacus). Off by default: gaussdp does not materialise them where ghost norms
                 suffice, and this costs their memory.
-            independence_probe: True (default): before returning, run about half a batch of the
-                dataset (collated by the loader's ``collate_fn``) forward and backward twice, the
+            independence_probe: True (default): before returning, run a quarter of a batch of
+                the dataset (at most 32 records, collated by the loader's ``collate_fn``) forward
+                and backward twice, the
                 second time with its first record replaced by another record of the dataset, and
                 refuse the module (:class:`SampleMixing`) if any hooked layer sees other than one
                 row per sample, or if the change moves another sample's output or per-sample
                 gradient (``x - x.mean(0)``, the sequence in the batch dimension, ...). It costs
-                about one forward and backward pass of a batch and leaves no trace (random state,
+                about half a forward and backward pass of a batch and leaves no trace (random state,
                 buffers, train/eval flags and gradients restored); ``engine.probe_report`` says what
                 it measured. The batch is run, on the module's device, as ``module(batch)`` (a
                 tensor), ``module(*batch[:-1])`` and else ``module(batch[0])`` (a tuple or list:
@@ -540,14 +540,13 @@ class PrivacyEngine:
     def _state_dict(self) -> dict[str, Any]:
         return {
             **self.accountant.state_dict(),
-            "pass_steps": self._pass_steps,
             "pass_mu2": self._pass_mu2,
         }
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         self.accountant.load_state_dict(state)
         # a resumed run starts a new pass over its loader; it is charged anew
-        self._pass_seen, self._pass_steps, self._pass_mu2 = -1, 0, 0.0
+        self._pass_seen, self._pass_mu2 = -1, 0.0
 
     # ------------------------------------------------------------------------------- internals
     def _noise_generator(self, seed: int | None) -> Any:
@@ -595,7 +594,6 @@ class PrivacyEngine:
             if need > self._pass_mu2 * (1.0 + 1e-12):
                 self.accountant.compose(GaussianEvent(1.0 / math.sqrt(need - self._pass_mu2)))
                 self._pass_mu2 = need
-            self._pass_steps += 1
         self.accountant.step(noised=sigma > 0)
         self.noise_multiplier = sigma
 

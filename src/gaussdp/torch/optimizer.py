@@ -1,10 +1,11 @@
 """The DP optimizer: clipped sums (from the hooks) + Gaussian noise once per logical step, then the
 user's optimizer.
 
-One call of :meth:`DPOptimizer.step` is one release of the subsampled Gaussian mechanism: it is
-charged to the accountant *before* the noisy gradient is written, then the noisy sum is divided by
-the *expected* batch size ``q N`` (fixed denominator: dividing by the realised Poisson batch size
-would leak it).
+One call of :meth:`DPOptimizer.step` is one release of the subsampled Gaussian mechanism (with
+fixed-size batches, one step of a pass that is charged as one Gaussian release): it is charged to
+the accountant *before* the noisy gradient is written, then the noisy sum is divided by the
+*expected* batch size ``q N`` (fixed denominator: dividing by the realised Poisson batch size would
+leak it). Each step must have clipped exactly the samples of one batch the data loader handed out.
 """
 
 from __future__ import annotations
@@ -226,7 +227,7 @@ class DPOptimizer(Optimizer):
 
         A skipped step keeps its samples' clipped sums for the batch's last step and charges,
         noises and releases nothing; used by
-        :class:`gaussdp.torch.utils.batch_memory_manager.BatchMemoryManager`.
+        :class:`gaussdp.torch.utils.batch_memory_manager.BatchMemoryManager` and by Opacus's own.
         """
         self._skip_queue.append(bool(do_skip))
 
@@ -320,8 +321,11 @@ class DPOptimizer(Optimizer):
         return out
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Charge one subsampled-Gaussian release, write noisy averaged gradients, take the step.
+        """Charge the step, write noisy averaged gradients, take the step.
 
+        First the step's samples are checked against its batch (see ``drawn``; refused before any
+        charge), then ``on_step`` charges it: one subsampled-Gaussian release with Poisson batches,
+        or with fixed-size batches the pass's Gaussian release at the pass's first step.
         ``p.grad`` keeps the noisy averaged gradient after the step, as in Opacus (a plain gradient
         added to it by a later backward pass is still refused). After :meth:`signal_skip_step`,
         the samples are only kept for the batch's last step: nothing is charged or released.
