@@ -270,15 +270,27 @@ class Counting(nn.Module):
 
 
 def test_probe_costs_half_a_batch_and_leaves_no_trace():
-    """Two runs of a quarter of a batch each (half a forward and backward of a batch); random state,
-    buffers, train/eval flags and gradients as they were; dropout (train mode) does not fool it."""
+    """Two runs of a quarter of a batch each (half a forward and backward of a batch); random state
+    (also what a dataset's random transform drew), buffers, train/eval flags and gradients as they
+    were; dropout (train mode) does not fool it."""
     torch.manual_seed(0)
     model = Counting()
     model.fc2.eval()  # a mixed mode, kept
     model.fc1.weight.grad = torch.ones_like(model.fc1.weight)  # a gradient left by the user
     grad = model.fc1.weight.grad
+    class Jittered(torch.utils.data.Dataset):  # a random transform: draws from torch's generator
+        def __init__(self, base):
+            self.base = base
+
+        def __len__(self):
+            return len(self.base)
+
+        def __getitem__(self, i):
+            x, y = self.base[i]
+            return x + 0.01 * torch.rand(x.shape), y
+
     state = torch.get_rng_state()
-    engine, *_ = _private(model, _data("vec", 100), batch=20, poisson=False)
+    engine, *_ = _private(model, Jittered(_data("vec", 100)), batch=20, poisson=False)
     assert model.rows == 2 * 5 and engine.probe_report.samples == 5
     assert engine.probe_report.seconds > 0 and engine.probe_report.gradient_change < 1e-6
     assert torch.equal(torch.get_rng_state(), state)

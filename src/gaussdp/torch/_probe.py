@@ -208,38 +208,51 @@ def run_probe(
         PrivacyError: the clipper refused the batch (its message says why).
     """
     t0 = time.perf_counter()
+    with _preserved(module, clipper):  # a dataset's random transforms draw from torch's generator too
+        found = _batches(data_loader, expected_batch_size, key_all=run is not None)
+        if isinstance(found, str):
+            return ProbeReport(0, 0.0, 0.0, time.perf_counter() - t0, found)
+        return _run(module, clipper, *found, run=run, batch_first=batch_first, t0=t0)
+
+
+def _batches(data_loader: Any, expected_batch_size: float, *, key_all: bool) -> tuple[int, list[Any]] | str:
+    """``m`` and the probe's two batches (``m`` records; the same with record 0 replaced), or why
+    there are none."""
     dataset = data_loader.dataset
     try:
         n = len(dataset)
     except TypeError:
-        return ProbeReport(0, 0.0, 0.0, time.perf_counter() - t0, "the dataset has no length")
+        return "the dataset has no length"
     m = min(max(2, -(-round(expected_batch_size) // 4)), _MAX_SAMPLES, n - 1)
     if m < 2:
-        return ProbeReport(0, 0.0, 0.0, time.perf_counter() - t0, f"the dataset has {n} records (< 3)")
+        return f"the dataset has {n} records (< 3)"
     collate = data_loader.collate_fn
     records = [dataset[i] for i in range(m)]
 
     def key(record: Any) -> tuple[Any, Any]:  # (what must differ, what must keep its shapes)
         one = collate([record])
-        return (one, one) if run is not None else (_key_inputs(one), _all_inputs(one))
+        return (one, one) if key_all else (_key_inputs(one), _all_inputs(one))
 
     first = key(records[0])
-    replacement = None
     for k in range(m, min(n, m + _SCAN)):
         other = dataset[k]
         cand = key(other)
         if _shapes(cand[1]) == _shapes(first[1]) and not _same(cand[0], first[0]):
-            replacement = other
-            break
-    if replacement is None:
-        return ProbeReport(
-            0,
-            0.0,
-            0.0,
-            time.perf_counter() - t0,
-            f"none of records {m}..{min(n, m + _SCAN) - 1} differs from record 0 with inputs of its shapes",
-        )
-    batches = [collate(records), collate([replacement, *records[1:]])]
+            return m, [collate(records), collate([other, *records[1:]])]
+    return f"none of records {m}..{min(n, m + _SCAN) - 1} differs from record 0 with inputs of its shapes"
+
+
+def _run(
+    module: nn.Module,
+    clipper: Any,
+    m: int,
+    batches: list[Any],
+    *,
+    run: Callable[[nn.Module, Any], Any] | None,
+    batch_first: bool,
+    t0: float,
+) -> ProbeReport:
+    """Both runs, their comparison, and the finding raised or the report returned."""
     params = list(module.parameters())
     device = params[0].device if params else torch.device("cpu")
 
@@ -273,25 +286,24 @@ def run_probe(
         )
 
     runs = []
-    with _preserved(module, clipper):
-        for batch in batches:
-            _seed(module)  # the same dropout masks in both runs (restored afterwards)
-            with clipper.probing() as record, torch.enable_grad():
-                out = forward(batch)
-                outs = [t for t in _leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-                g = torch.Generator().manual_seed(_SEED)
-                loss = None
-                for t in outs:
-                    if not t.requires_grad:
-                        continue
-                    cot = torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.device, t.dtype)
-                    term = (t * cot).sum()
-                    loss = term if loss is None else loss + term
-                if loss is not None:
-                    if clipper.loss_reduction == "mean":
-                        loss = loss / m
-                    loss.backward()
-            runs.append(([t.detach() for t in outs], record))
+    for batch in batches:
+        _seed(module)  # the same dropout masks in both runs (restored afterwards)
+        with clipper.probing() as record, torch.enable_grad():
+            out = forward(batch)
+            outs = [t for t in _leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            g = torch.Generator().manual_seed(_SEED)
+            loss = None
+            for t in outs:
+                if not t.requires_grad:
+                    continue
+                cot = torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.device, t.dtype)
+                term = (t * cot).sum()
+                loss = term if loss is None else loss + term
+            if loss is not None:
+                if clipper.loss_reduction == "mean":
+                    loss = loss / m
+                loss.backward()
+        runs.append(([t.detach() for t in outs], record))
     out_change = _compare_outputs(runs[0][0], runs[1][0], m, batch_first)
     grad_change, moved = _compare_gradients(runs[0][1], runs[1][1], m, clipper, batch_first)
     seconds = time.perf_counter() - t0
