@@ -278,6 +278,7 @@ def test_probe_costs_half_a_batch_and_leaves_no_trace():
     model.fc2.eval()  # a mixed mode, kept
     model.fc1.weight.grad = torch.ones_like(model.fc1.weight)  # a gradient left by the user
     grad = model.fc1.weight.grad
+
     class Jittered(torch.utils.data.Dataset):  # a random transform: draws from torch's generator
         def __init__(self, base):
             self.base = base
