@@ -308,9 +308,14 @@ def _run(
     grad_change, moved = _compare_gradients(runs[0][1], runs[1][1], m, clipper, batch_first)
     seconds = time.perf_counter() - t0
     if out_change is not None and out_change[0] > out_change[1]:
+        how = (
+            "the shapes of the outputs changed"
+            if out_change[2] < 0
+            else f"by up to {out_change[0]:.3g} of their size, at sample {out_change[2]}"
+        )
         raise SampleMixing(
             f"the independence probe changed sample 0 of a batch of {m} records and the outputs of other "
-            f"samples moved (by up to {out_change[0]:.3g} of their size, at sample {out_change[2]}): the "
+            f"samples moved ({how}): the "
             "module mixes the samples of a batch (a statistic over the batch such as x - x.mean(0), "
             "or the sequence in the batch dimension, e.g. a transpose to (T, B, ...) with "
             f"batch_first={batch_first}), so clipping each sample's gradient does not bound one "
@@ -318,12 +323,13 @@ def _run(
             "skips this check)"
         )
     if grad_change[0] > grad_change[1]:
+        what = f"parameters {moved}" if moved else "their norms"
         raise SampleMixing(
             f"the independence probe changed sample 0 of a batch of {m} records and the per-sample "
-            f"gradients of other samples moved (by up to {grad_change[0]:.3g} relative; parameters "
-            f"{moved}): something carries one sample into another's gradient (a computation across "
-            "the batch, or rows of the batch dimension that are not the samples), so clipping each "
-            "row does not bound one record's influence. Make every computation per sample "
+            f"gradients of other samples moved (by up to {grad_change[0]:.3g} relative; {what}): "
+            "something carries one sample into another's gradient (a computation across the batch, "
+            "or rows of the batch dimension that are not the samples), so clipping each row does "
+            "not bound one record's influence. Make every computation per sample "
             "(independence_probe=False skips this check)"
         )
     return ProbeReport(m, 0.0 if out_change is None else out_change[0], grad_change[0], seconds)
