@@ -158,7 +158,7 @@ class PrivacyEngine:
         independence_probe: bool | Callable[[nn.Module, Any], Any] = True,
         **adaptive: Any,
     ) -> Any:
-        """Hooks on ``module`` (returned unchanged), a DP optimizer and a Poisson data loader.
+        """Hooks on ``module`` (returned unchanged), a DP optimizer and the private data loader.
 
         Guarantee: with ``poisson_sampling=True`` (default), (epsilon, delta)-DP of everything
         computed from the noisy gradients under add/remove of one record, each step charged as a
@@ -175,6 +175,8 @@ class PrivacyEngine:
                 gradient all-reduce is switched off (``require_backward_grad_sync=False``), since the
                 optimizer all-reduces the clipped sums itself.
             optimizer: over the trainable (``requires_grad``) parameters; frozen ones are ignored.
+                Not ``SparseAdam``: the noisy gradient is dense (an ``Embedding(sparse=True)`` is
+                trained as a dense one).
             data_loader: its dataset and collate function are reused; its batch size ``b`` sets the
                 sample rate ``q = 1 / len(data_loader)`` (about ``b / N``).
             noise_multiplier: ``sigma >= 0``; noise std on the clipped sum is ``sigma * max_grad_norm``.
@@ -233,20 +235,20 @@ class PrivacyEngine:
                 suffice, and this costs their memory.
             independence_probe: True (default): before returning, run a quarter of a batch of
                 the dataset (at most 32 records, collated by the loader's ``collate_fn``) forward
-                and backward twice, the
-                second time with its first record replaced by another record of the dataset, and
-                refuse the module (:class:`SampleMixing`) if any hooked layer sees other than one
-                row per sample, or if the change moves another sample's output or per-sample
-                gradient (``x - x.mean(0)``, the sequence in the batch dimension, ...). It costs
-                about half a forward and backward pass of a batch and leaves no trace (random state,
-                buffers, train/eval flags and gradients restored); ``engine.probe_report`` says what
-                it measured. The batch is run, on the module's device, as ``module(batch)`` (a
-                tensor), ``module(*batch[:-1])`` and else ``module(batch[0])`` (a tuple or list:
-                the last element is the target), or ``module(**batch)`` without the keys
-                ``label(s)``, ``target(s)``, ``y`` (a dict); a function
-                ``fn(module, batch) -> output`` runs it otherwise. False skips it. What it
-                cannot catch is listed in :mod:`gaussdp.torch._probe` and the DP-SGD guide (a
-                loss that mixes samples, behaviour that depends on the batch).
+                and backward twice, the second time with its first record replaced by another
+                record of the dataset, and refuse the module (:class:`SampleMixing`) if any
+                hooked layer sees other than one row per sample, or if the change moves another
+                sample's output or per-sample gradient (``x - x.mean(0)``, the sequence in the
+                batch dimension, ...). It costs about half a forward and backward pass of a batch
+                and leaves no trace (torch's random state, buffers, train/eval flags and
+                gradients restored); ``engine.probe_report`` says what it measured. The batch is
+                run, on the module's device, as ``module(batch)`` (a tensor),
+                ``module(*batch[:-1])`` and else ``module(batch[0])`` (a tuple or list: the last
+                element is the target), or ``module(**batch)`` without the keys ``label(s)``,
+                ``target(s)``, ``y`` (a dict); a function ``fn(module, batch) -> output`` runs it
+                otherwise. False skips it. What it cannot catch is listed in
+                :mod:`gaussdp.torch._probe` and the DP-SGD guide (a loss that mixes samples,
+                behaviour that depends on the batch).
 
         Returns:
             ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion, data_loader)``
@@ -254,14 +256,16 @@ class PrivacyEngine:
 
         Raises:
             UnsupportedModule: ``module`` holds a submodule that mixes the samples of a batch or
-                keeps unnoised statistics of the data (any ``BatchNorm``, trainable or not), or a
-                fused RNN configured so that its recurrence cannot be replayed per sample; the
-                message names each by its path and replacement
+                keeps unnoised statistics of the data (any ``BatchNorm``, trainable or not; an
+                ``Embedding`` with ``max_norm``), or a fused RNN configured so that its recurrence
+                cannot be replayed per sample; the message names each by its path and replacement
                 (:class:`gaussdp.torch.ModuleValidator`). Also a module sharded by FSDP (a
                 parameter that is a ``DTensor`` or an FSDP ``FlatParameter``): each rank would clip
                 the norm of its own shard only, smaller than the sample's whole norm.
             SampleMixing: the independence probe saw one sample move another's output or
                 per-sample gradient, or the batch dimension hold other than the samples.
+            UnsafeInput: the probe's batch reached a refusal of the clipper (a layer without a
+                rule for ``batch_first=False``, a ``PackedSequence``, ...), named in the message.
             InvalidParameter, TypeError: a bad or unsupported argument, named in the message
                 (also: the probe could not run the module on a batch the default way).
 
