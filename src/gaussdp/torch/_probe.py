@@ -9,8 +9,8 @@ catches the rest that shows on a real batch: a parameter-free statistic over the
 ``batch_first=True``), a recurrence or attention run across the batch.
 
 What it does: ``m`` records of the dataset (a quarter of a batch, at least 2 and at most 32: both
-runs together cost about half a forward and backward pass of a training batch), collated with the loader's
-``collate_fn``, and the same records with the first one replaced by another record of the dataset
+runs together cost about half a forward and backward pass of a training batch), collated with the
+loader's ``collate_fn``, and the same records with the first one replaced by another record of the dataset
 whose inputs have the same shapes (so that a collate padding to the longest record pads both alike).
 The module is run on a batch as most training loops do (:func:`_calls`: ``module(*batch[:-1])``
 then ``module(batch[0])`` for a tuple, ``module(**batch)`` without the target keys for a dict), or
@@ -26,8 +26,8 @@ through the clipper's own hooks, with a fixed random linear loss on the outputs.
 Tolerances are relative, ``1e-3`` in float32 and float64 (the runs compute each row with the same
 kernels, so an independent model moves by rounding at most) and ``2e-2`` where a parameter or output
 is in half precision. A movement larger than that is refused with :class:`SampleMixing`, naming
-what moved. The random state, the module's buffers, train/eval flags and gradients, and the
-clipper are restored afterwards: the probe leaves no trace.
+what moved. Torch's random state (CPU and the module's GPUs), the module's buffers, train/eval
+flags and gradients, and the clipper are restored afterwards: the probe leaves no trace there.
 
 What no check can catch: a loss that mixes the samples (contrastive losses, a loss normalised over
 the batch: the probe uses its own per-sample loss), behaviour that depends on the batch size or on
