@@ -11,7 +11,9 @@ makes of a BatchNorm there);
 hidden 128, 18 classes), its default batch 800, names padded to 16 characters. Plain PyTorch runs
 the same ``DPLSTM`` (its own unfused recurrence).
 
-Step = forward + backward + optimizer step (+ zero_grad), on the same fixed batch for every method.
+Step = forward + backward + optimizer step (+ zero_grad), on the same fixed batch for every method
+(gaussdp draws it from its loader each step, as ``poisson_sampling=False`` requires: the same
+tensors, no copy; see ``_fixed_loader``).
 Time: median over interleaved repetitions of a block of consecutive steps per method (the methods
 take turns, so a busy machine slows them all alike), each block after one untimed step of the same
 method (so no method is timed in the cache and heap state another one left: Opacus's hooks mode
@@ -186,6 +188,37 @@ def _ret(step: Callable[[], None], model: nn.Module, opt: Any, x: Any, y: Any, w
     return step, live
 
 
+class _Indices(torch.utils.data.Dataset):
+    """Records that are their own index (the collate function of :func:`_fixed_loader` looks them up)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _fixed_loader(x: torch.Tensor, y: torch.Tensor) -> torch.utils.data.DataLoader:
+    """``(x, y)`` as a loader of one batch per pass. gaussdp with ``poisson_sampling=False`` takes
+    each step's batch from its loader (the accountant charges the loader's passes); the whole batch
+    is ``(x, y)`` themselves, no copy, so the step holds the same tensors as the other methods'
+    (smaller batches, such as the independence probe's, are rows of them)."""
+    whole = list(range(len(x)))
+
+    def collate(idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x, y) if idx == whole else (x[idx], y[idx])
+
+    return torch.utils.data.DataLoader(_Indices(len(x)), batch_size=len(x), collate_fn=collate)
+
+
+def _forever(loader: Any) -> Any:
+    while True:
+        yield from loader
+
+
 def build(method: str, case: str, with_state: bool = False) -> Any:
     """A closure running one training step of ``method`` on ``case``."""
     model, x, y = make_case(case)
@@ -205,18 +238,20 @@ def build(method: str, case: str, with_state: bool = False) -> Any:
         from gaussdp.torch import PrivacyEngine
 
         opt = torch.optim.SGD(params, lr=0.01)
-        model, opt, _ = PrivacyEngine().make_private(
+        model, opt, fixed = PrivacyEngine().make_private(
             module=model,
             optimizer=opt,
-            data_loader=loader,
+            data_loader=_fixed_loader(x, y),
             noise_multiplier=1.0,
             max_grad_norm=1.0,
             poisson_sampling=False,
             clipping="per_layer" if method == "gaussdp-per-layer" else "flat",
         )
+        batches = _forever(fixed)
 
         def step() -> None:
-            loss_fn(model(x), y).backward()
+            xb, yb = next(batches)  # (x, y) itself
+            loss_fn(model(xb), yb).backward()
             opt.step()
             opt.zero_grad()
 

@@ -235,6 +235,7 @@ def test_max_grad_norm_set_on_the_optimizer_clips_and_scales_the_noise():
     with pytest.raises(InvalidParameter, match="max_grad_norm"):
         opt.max_grad_norm = 0.0
     before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    (x,) = next(iter(dl))  # zero_grad() dropped the first batch with its sums: a new one
     model(x).sum().backward()  # the clipped data (norm <= C per sample) is ~0.5% of the noise's std
     opt.step()
     noise = (before - torch.cat([p.detach().reshape(-1) for p in model.parameters()])).double()
@@ -303,19 +304,20 @@ def test_zero_grad_discards_accumulated_sums():
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     start = [p.detach().clone() for p in model.parameters()]
+    xa, xb = torch.randn(8, 4) * 100, torch.randn(8, 4)
     with pytest.warns(NotPrivateWarning):
-        _, opt, _ = PrivacyEngine(seed=4).make_private(
+        _, opt, loader = PrivacyEngine(seed=4).make_private(
             module=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-            data_loader=DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=8),
+            data_loader=DataLoader(TensorDataset(torch.cat([xa, xb])), batch_size=8),
             noise_multiplier=1e-9,
             max_grad_norm=10.0,
             poisson_sampling=False,
         )
-    xa, xb = torch.randn(8, 4) * 100, torch.randn(8, 4)
-    model(xa).sum().div(8).backward()  # a mean over the batch (loss_reduction="mean")
-    opt.zero_grad()
-    model(xb).sum().div(8).backward()
+    batches = iter(loader)
+    model(next(batches)[0]).sum().div(8).backward()  # xa; a mean over the batch (loss_reduction="mean")
+    opt.zero_grad()  # xa's batch is dropped with its sums
+    model(next(batches)[0]).sum().div(8).backward()  # xb
     opt.step()
     ref = nn.Linear(4, 2)
     with torch.no_grad():
@@ -650,3 +652,34 @@ def test_empty_loader_refused_without_poisson_sampling():
             max_grad_norm=1.0,
             poisson_sampling=False,
         )
+
+
+def test_sparse_embedding_trains_with_a_dense_noisy_gradient():
+    """Embedding(sparse=True) trains where Opacus does (SGD); the noisy gradient is dense (noise on
+    every row), so SparseAdam, which takes sparse gradients only, is refused at make_private."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(13, 4, sparse=True), nn.Flatten(), nn.Linear(12, 3))
+    data = TensorDataset(torch.randint(0, 13, (64, 3)), torch.randint(0, 3, (64,)))
+    with pytest.raises(InvalidParameter, match="SparseAdam"):
+        PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SparseAdam(list(model[0].parameters())),
+            data_loader=DataLoader(data, batch_size=16),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+    engine = PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=16),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
+    before = model[0].weight.detach().clone()
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert engine.steps == 4 and not model[0].weight.grad.is_sparse
+    assert (model[0].weight != before).all()  # every row noised, used or not

@@ -316,16 +316,28 @@ def test_batch_first_false_gives_the_sums_of_the_transposed_batch():
     sums = []
     for batch_first in (True, False):
         model = _SeqModel()
+
+        def run(module, batch, batch_first=batch_first):  # the loop below's way with a batch
+            return module(batch[0] if batch_first else batch[0].T)
+
         with pytest.warns(NotPrivateWarning):
-            _, model, opt, _ = _private(
-                PrivacyEngine(seed=1), model=model, sigma=0.0, clip=0.3, batch_first=batch_first
+            engine = PrivacyEngine(seed=1)
+            model, opt, loader = engine.make_private(
+                module=model,
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                data_loader=DataLoader(TensorDataset(ids, target), batch_size=6),
+                noise_multiplier=0.0,
+                max_grad_norm=0.3,
+                batch_first=batch_first,
+                independence_probe=run,
             )
-        if batch_first:
-            out = model(ids)
-        else:
-            out = model(ids.T).transpose(0, 1)
-        ((out - target) ** 2).sum(dim=(1, 2)).mean().backward()
-        assert opt.clipper.samples == 6
+        assert engine.probe_report.samples == 2 and engine.probe_report.skipped is None
+        x, y = next(iter(loader))
+        out = run(model, (x, y))
+        if not batch_first:
+            out = out.transpose(0, 1)
+        ((out - y) ** 2).sum(dim=(1, 2)).mean().backward()
+        assert opt.clipper.samples == len(x)
         sums.append(opt.summed_grads)
     for (p, a), b in zip(sums[0].items(), sums[1].values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=str(p.shape))
@@ -334,7 +346,9 @@ def test_batch_first_false_gives_the_sums_of_the_transposed_batch():
 
 def test_batch_first_false_refuses_other_layers_by_name():
     model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 3))  # 2-D inputs: no batch in dimension 1
-    _, model, _, _ = _private(model=model, batch_first=False)
+    with pytest.raises(UnsafeInput, match=r"batch_first=False: Linear \(input shape \(4, [46]\)\)"):
+        _private(model=model, batch_first=False)  # the probe's batch of 4 reaches the refusal
+    _, model, _, _ = _private(model=model, batch_first=False, independence_probe=False)
     with pytest.raises(UnsafeInput, match=r"batch_first=False: Linear \(input shape \(5, [46]\)\)"):
         model(torch.randn(5, 6)).sum().backward()
 
@@ -519,6 +533,7 @@ def test_adaptive_clipping_count_noise_has_the_stated_std():
         model=model,
         sigma=1.0,
         clip=1.0,
+        independence_probe=False,  # no data reaches the model here
         clipping="adaptive",
         **_adaptive(unclipped_num_std=s, clipbound_learning_rate=lr, max_clipbound=1e9, min_clipbound=1e-9),
     )

@@ -1165,3 +1165,87 @@ def test_first_layer_output_joins_the_graph_in_place_only_when_fresh():
     PerSampleClipper(conv, max_grad_norm=1.0)
     y = conv(torch.randn(4, 2, 5))
     assert y.grad_fn is not None and type(y.grad_fn).__name__ == "_TapBackward"
+
+
+class TimeMajor(nn.Module):
+    """A fused RNN made with batch_first=False, fed (T, B, in) inside a batch-first model."""
+
+    def __init__(self, rnn):
+        super().__init__()
+        self.rnn = rnn
+        self.fc = nn.Linear(rnn.hidden_size * (2 if rnn.bidirectional else 1), 2)
+
+    def forward(self, x):  # x (B, T, in)
+        out, _ = self.rnn(x.transpose(0, 1))
+        return self.fc(out.mean(0))
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+def test_fused_rnns_with_batch_first_false_replayed_per_sample(monkeypatch, cls):
+    """make_private's docstring said batch_first=False supports nn.LSTM; it was refused. The layer's
+    own batch_first says where its batch is; the replay runs batch-first."""
+    from gaussdp.torch import _clipper
+
+    def no_vmap(*args):
+        raise AssertionError("vmap fallback used")
+
+    monkeypatch.setattr(_clipper, "vmap_parts", no_vmap)
+    torch.manual_seed(0)
+    check(TimeMajor(cls(4, 5, num_layers=2, bidirectional=True)), [torch.randn(6, 7, 4)])
+
+
+@pytest.mark.parametrize("kind", ["nn.LSTM", "DPLSTM"])
+def test_batch_first_false_recurrent_model_matches_the_loop(kind):
+    """The whole model batch-second (Opacus's batch_first=False): ids (T, B), an embedding, a
+    recurrent layer made with batch_first=False (fused, or Opacus's DPLSTM, whose maps get one
+    time step (B, D) at a time) and a linear read-out of every step (T, B, C)."""
+    torch.manual_seed(0)
+    if kind == "DPLSTM":
+        layers = pytest.importorskip("opacus.layers")
+        rnn = layers.DPLSTM(4, 5, batch_first=False)
+    else:
+        rnn = nn.LSTM(4, 5, batch_first=False)
+    model = nn.ModuleDict({"emb": nn.Embedding(11, 4), "rnn": rnn, "fc": nn.Linear(5, 3)}).double()
+
+    def forward(ids):
+        return model["fc"](model["rnn"](model["emb"](ids))[0])
+
+    ids = torch.randint(0, 11, (7, 6))  # (T, B)
+    weight = torch.randn(7, 1, 3, dtype=torch.float64)
+    params = list(model.parameters())
+    norms, total = [], [torch.zeros_like(p) for p in params]
+    for i in range(ids.shape[1]):
+        grads = torch.autograd.grad((forward(ids[:, i : i + 1]) * weight).sum(), params)
+        n = torch.sqrt(sum((g**2).sum() for g in grads))
+        norms.append(n)
+        for t, g in zip(total, grads, strict=True):
+            t += min(1.0, 0.5 / (float(n) + 1e-6)) * g
+    clipper = PerSampleClipper(model, max_grad_norm=0.5, batch_first=False, loss_reduction="sum")
+    (forward(ids) * weight).sum().backward()
+    clipper.check_no_plain_gradients()
+    torch.testing.assert_close(clipper.last_norms, torch.stack(norms), rtol=1e-9, atol=1e-10)
+    for p, r in zip(params, total, strict=True):
+        torch.testing.assert_close(clipper.summed[p].double(), r, rtol=1e-9, atol=1e-10)
+
+
+class SparseTokens(nn.Module):
+    def __init__(self, cls=nn.Embedding, **kw):
+        super().__init__()
+        self.emb = cls(11, 4, sparse=True, **kw)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.fc(torch.tanh(h if h.dim() == 2 else h.mean(1)))
+
+
+@pytest.mark.parametrize(
+    ("cls", "kw"),
+    [(nn.Embedding, {}), (nn.Embedding, {"padding_idx": 0}), (nn.EmbeddingBag, {"mode": "mean"})],
+)
+def test_sparse_embeddings_use_an_exact_per_sample_rule(cls, kw):
+    """Embedding(sparse=True) crashed in the vmap fallback (aten::view on SparseCPU) where Opacus
+    trains. sparse only changes how autograd stores the summed gradient, never formed here: the
+    per-sample rule is the dense layer's."""
+    torch.manual_seed(0)
+    check(SparseTokens(cls, **kw), [torch.randint(0, 11, (6, 5))])

@@ -42,9 +42,9 @@ def test_instance_norm_running_statistics_refused():
         lambda: nn.SyncBatchNorm(4),
         lambda: nn.LazyBatchNorm1d(),
         lambda: nn.InstanceNorm2d(4, track_running_stats=True),
-        lambda: nn.LSTM(4, 4),
-        lambda: nn.GRU(4, 4),
-        lambda: nn.RNN(4, 4),
+        lambda: nn.LSTM(4, 4, num_layers=2, dropout=0.1),
+        lambda: nn.GRU(4, 4, num_layers=2, dropout=0.1),
+        lambda: nn.RNN(4, 4, num_layers=2, dropout=0.1),
     ],
 )
 def test_validate_lists_every_refused_module_by_path(make):
@@ -130,7 +130,11 @@ def test_fix_refuses_what_it_cannot_replace():
 
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
 @pytest.mark.parametrize(
-    "kw", [{"batch_first": False}, {"batch_first": True, "num_layers": 2, "dropout": 0.5}]
+    "kw",
+    [
+        {"batch_first": False, "num_layers": 2, "dropout": 0.5},
+        {"batch_first": True, "num_layers": 2, "dropout": 0.5},
+    ],
 )
 def test_fix_replaces_listed_recurrent_layers_by_opacus_layers_with_the_same_weights(cls, kw):
     pytest.importorskip("opacus")
@@ -160,8 +164,8 @@ class Recurrent(nn.Module):
     ("layer", "message"),
     [
         (
-            nn.LSTM(4, 5),
-            r"rnn \(LSTM\): batch_first=False .*; use batch_first=True, or opacus\.layers\.DPLSTM",
+            nn.LSTM(4, 5, num_layers=2, dropout=0.3),
+            r"rnn \(LSTM\): dropout=0\.3 .*; use dropout=0, or opacus\.layers\.DPLSTM",
         ),
         (
             nn.GRU(4, 5, 2, batch_first=True, dropout=0.1),
@@ -212,3 +216,24 @@ def test_frozen_fused_rnn_in_any_configuration_is_accepted():
     assert len(ModuleValidator.validate(rnn)) == 1
     rnn.requires_grad_(False)
     assert ModuleValidator.validate(nn.Sequential(rnn)) == []
+
+
+@pytest.mark.parametrize("cls", [nn.Embedding, nn.EmbeddingBag])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_embedding_max_norm_refused_and_fixed(cls, frozen):
+    """max_norm renormalises the looked-up rows in place, without noise: after one batch the weights
+    show which rows the data used, whether the layer is trained or frozen."""
+    torch.manual_seed(0)
+    emb = cls(10, 4, max_norm=0.5).requires_grad_(not frozen)
+    with torch.no_grad():
+        emb.weight.mul_(10)
+    before = emb.weight.detach().clone()
+    emb(torch.tensor([[1, 2]]))
+    touched = (emb.weight != before).any(1).nonzero().flatten().tolist()
+    assert touched == [1, 2]  # the data's rows, visible in the weights
+    problems = ModuleValidator.validate(nn.Sequential(emb))
+    assert [(p.path, p.kind) for p in problems] == [("0", cls.__name__)]
+    assert "max_norm=0.5 renormalises" in problems[0].reason
+    fixed = ModuleValidator.fix(nn.Sequential(emb))
+    assert fixed[0].max_norm is None and torch.equal(fixed[0].weight, emb.weight)
+    assert ModuleValidator.validate(fixed) == [] and emb.max_norm == 0.5

@@ -272,9 +272,22 @@ def _is_released(grad: torch.Tensor, released: tuple[torch.Tensor, int] | None) 
     return released is not None and grad is released[0] and grad._version == released[1]
 
 
+def _is_rnn_linear(module: nn.Module) -> bool:
+    """Opacus's ``RNNLinear``: the maps of its DP RNNs, applied to one time step ``(B, D)`` at a
+    time whatever the RNN's ``batch_first`` (told by name: Opacus is not a dependency)."""
+    cls = type(module)
+    return cls.__name__ == "RNNLinear" and cls.__module__.startswith("opacus.")
+
+
 def _to_batch_first(module: nn.Module, args: tuple, grads: list) -> tuple[tuple, list]:
-    """Inputs and output gradients of a call made with the batch in dimension 1, batch-first."""
+    """Inputs and output gradients of a call made with the batch in dimension 1, batch-first.
+
+    A fused RNN says where its batch is itself (its rule reads ``batch_first``), and Opacus's
+    ``RNNLinear`` always gets the batch in dimension 0: those are left as they are.
+    """
     x = args[0] if args else None
+    if isinstance(module, nn.RNNBase) or _is_rnn_linear(module):
+        return args, grads
     if isinstance(module, nn.Linear) and isinstance(x, torch.Tensor) and x.dim() >= 3:
         pass
     elif isinstance(module, nn.Embedding) and isinstance(x, torch.Tensor) and x.dim() >= 2:
@@ -283,8 +296,9 @@ def _to_batch_first(module: nn.Module, args: tuple, grads: list) -> tuple[tuple,
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else None
         raise UnsafeInput(
             f"batch_first=False: {type(module).__name__} (input shape {shape}) has no rule for the "
-            "batch in dimension 1; supported are Linear with inputs of 3 or more dimensions and "
-            "Embedding (make the model batch-first and use batch_first=True)"
+            "batch in dimension 1; supported are Linear with inputs of 3 or more dimensions, "
+            "Embedding, nn.LSTM/GRU/RNN and Opacus's DPLSTM/DPGRU/DPRNN (or make the model "
+            "batch-first and use batch_first=True)"
         )
     args = (x.transpose(0, 1), *args[1:])
     grads = [g.transpose(0, 1) if g is not None else None for g in grads]
@@ -310,7 +324,10 @@ class PerSampleClipper:
         batch_first: False: the batch is dimension 1 of every layer input (as Opacus's
             ``batch_first=False``); supported for ``Linear`` with inputs of 3 or more dimensions and
             ``Embedding``, whose inputs and output gradients are transposed to batch-first before
-            their rule runs; any other layer is refused at its first backward pass, by name.
+            their rule runs, ``nn.LSTM``/``GRU``/``RNN`` (which say where their batch is by their
+            own ``batch_first``, either way) and Opacus's ``DPLSTM``/``DPGRU``/``DPRNN`` (whose
+            maps get one time step ``(B, D)`` at a time); any other layer is refused at its first
+            backward pass, by name.
 
     Attributes:
         keep_grad_sample: when True, each trainable ``p.grad_sample`` is set after each backward
@@ -383,6 +400,7 @@ class PerSampleClipper:
         self.noised: dict[nn.Parameter, float] = {}
         self.samples = 0  # samples clipped since the last reset (all micro-batches)
         self.last_norms: torch.Tensor | None = None
+        self._probe: Any = None  # the independence probe's record while it runs (see probing())
         self._register(module)
 
     # ----------------------------------------------------------------------------------- hooks
@@ -456,6 +474,8 @@ class PerSampleClipper:
             return None
         for p in self._owned[module].values():
             p.requires_grad_(True)
+        if output is None:  # the forward raised (this hook always runs): nothing to keep
+            return None
         flat, spec = _flatten(output)
         call = _Call(module, _detach(args), _detach(kwargs), len(flat))
         if isinstance(module, nn.MultiheadAttention):
@@ -483,7 +503,8 @@ class PerSampleClipper:
             # (an EmbeddingBag's 1-D input holds every bag's ids: its output has one row per bag)
             source = flat if isinstance(module, nn.EmbeddingBag) else _flatten(args)[0]
             first = next((t for t in source if isinstance(t, torch.Tensor)), None)
-            self._batch = int(first.shape[0]) if first is not None and first.dim() else None
+            axis = 1 if isinstance(module, nn.RNNBase) and not module.batch_first else 0
+            self._batch = int(first.shape[axis]) if first is not None and first.dim() > axis else None
             if not self.batch_first:
                 self._batch = None  # no batch-first broadcast to undo
         self._calls.append(call)
@@ -714,12 +735,19 @@ class PerSampleClipper:
             self._accumulate(p, parts.pop(p), w)
         self.samples += b
         self.last_norms = norms.detach()
+        if self._probe is not None:
+            self._probe.rows, self._probe.norms = b, norms.detach().clone()
 
     def _scale(self, b: int) -> float:
         """Per-sample gradients are ``scale`` times the output gradients (the mean's 1/B undone)."""
         return float(b) if self.loss_reduction == "mean" else 1.0
 
     def _accumulate(self, p: nn.Parameter, part: Part, w: torch.Tensor) -> None:
+        if self._probe is not None:  # the probe's random combination of the clipped rows, kept apart
+            s = part.weighted_sum(w * self._probe.weights(w.shape[0], w))
+            prev = self._probe.sums.get(p)
+            self._probe.sums[p] = s if prev is None else prev + s
+            return
         if self.keep_grad_sample:  # asked for: materialised, unclipped, as Opacus's grad_sample
             # Opacus's attribute, set on the Parameter at run time (not in torch's stubs)
             p.grad_sample = (part.materialise() * self._scale(part.batch_size)).to(p.dtype)  # type: ignore[attr-defined]
@@ -744,6 +772,25 @@ class PerSampleClipper:
             )
         w = (self._bounds[p] / (norms + 1e-6)).clamp(max=1.0) * (scale * self.sum_scale)
         self._accumulate(p, part, w)
+
+    @contextlib.contextmanager
+    def probing(self) -> Iterator[Any]:
+        """A backward pass that measures instead of accumulating (the independence probe of
+        ``make_private``, :mod:`gaussdp.torch._probe`): the rows each layer saw, the per-row norms,
+        and per parameter a fixed random combination of the clipped rows other than row 0, in the
+        record yielded. No noise is drawn and no sum is kept; the clipper is as before afterwards."""
+        from gaussdp.torch._probe import ProbeRecord
+
+        saved = (self.keep_grad_sample, self.prefill, self.sum_scale, self.last_norms, self.released)
+        self.reset()
+        self.keep_grad_sample, self.prefill, self.sum_scale = False, None, 1.0
+        self._probe = ProbeRecord()
+        try:
+            yield self._probe
+        finally:
+            self._probe = None
+            self.reset()
+            self.keep_grad_sample, self.prefill, self.sum_scale, self.last_norms, self.released = saved
 
     def reset(self) -> None:
         """Forget accumulated sums and pending calls (after an optimizer step)."""

@@ -8,10 +8,11 @@ ordinary :class:`gaussdp.torch._parts.LinearPart` (ghost norms or per-sample gra
 is cheaper), and each bias the sum of its pre-activation's gradient over time. The replay costs
 about what Opacus's ``DPLSTM`` costs in its own forward and backward.
 
-Supported: ``batch_first=True``, any number of layers, bidirectional, with or without biases, an
-initial state or none, nonlinearity ``tanh``/``relu``; not ``proj_size`` nor dropout between layers
-in train mode (its masks cannot be replayed), nor packed sequences: those are refused here and
-listed by :class:`gaussdp.torch.ModuleValidator`.
+Supported: ``batch_first=True`` or ``False`` (the layer's own setting says where its input holds
+the batch; the replay runs batch-first), any number of layers, bidirectional, with or without
+biases, an initial state or none, nonlinearity ``tanh``/``relu``; not ``proj_size`` nor dropout
+between layers in train mode (its masks cannot be replayed), nor packed sequences: those are
+refused here and listed by :class:`gaussdp.torch.ModuleValidator`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ def rnn_unsupported(m: nn.Module) -> tuple[str, str] | None:
     """Why the replay cannot handle ``m``'s configuration and the setting that it can, or None."""
     if not isinstance(m, nn.RNNBase):
         return None
-    if not m.batch_first:
-        return "batch_first=False puts the batch in dimension 1", "batch_first=True"
     if m.proj_size:
         return f"proj_size={m.proj_size} has no per-sample rule", "proj_size=0"
     if m.dropout and m.num_layers > 1:
@@ -75,6 +74,9 @@ def rnn_parts(module, args, kwargs, grads, owned):  # type: ignore[no-untyped-de
         raise UnsafeInput(f"{type(m).__name__} got an unbatched input; per-sample clipping needs a batch")
     lstm = m.mode == "LSTM"
     g_out = grads[0]
+    if not m.batch_first:  # (T, B, .) in and out; the states are (layers, B, H) either way
+        x = x.transpose(0, 1)
+        g_out = g_out.transpose(0, 1) if g_out is not None else None
     g_h = grads[1] if len(grads) > 1 else None
     g_c = grads[2] if lstm and len(grads) > 2 else None
     if g_out is None and g_h is None and g_c is None:

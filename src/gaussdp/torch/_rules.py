@@ -276,9 +276,8 @@ def vmap_parts(module, args, kwargs, grads, owned, disabled):  # type: ignore[no
         m: nn.EmbeddingBag = module
         raise UnsafeInput(
             f"nn.EmbeddingBag(mode={m.mode!r}, max_norm={m.max_norm}, scale_grad_by_freq="
-            f"{m.scale_grad_by_freq}, sparse={m.sparse}) with offsets has no per-sample rule: give "
-            "one bag per row of a 2-D input, or use mode='sum' or 'mean' without max_norm, "
-            "scale_grad_by_freq or sparse gradients"
+            f"{m.scale_grad_by_freq}) with offsets has no per-sample rule: give one bag per row of a "
+            "2-D input, or use mode='sum' or 'mean' without max_norm or scale_grad_by_freq"
         )
     b = grads[out_idx[0]].shape[0]
     names = list(owned)
@@ -303,8 +302,17 @@ def vmap_parts(module, args, kwargs, grads, owned, disabled):  # type: ignore[no
         pullback = vjp(f, params)[1]
         return pullback(tuple(gi.unsqueeze(0) for gi in g_i))[0]
 
-    with disabled():
-        per_sample = vmap(one, randomness="different")(inputs, g_list)
+    # an embedding's sparse gradient has no batching rule in vmap; its dense form holds the same
+    # values, so the recomputation asks for that (the module's own setting is put back)
+    sparse = getattr(module, "sparse", None) is True
+    try:
+        if sparse:
+            module.sparse = False
+        with disabled():
+            per_sample = vmap(one, randomness="different")(inputs, g_list)
+    finally:
+        if sparse:
+            module.sparse = True
     return [(owned[n], DensePart(per_sample[n], owned[n].shape)) for n in names]
 
 
@@ -778,7 +786,9 @@ def rule_for(module: nn.Module) -> Rule | None:
     if isinstance(module, nn.Linear) or _is_hf_conv1d(module):
         return _linear
     if isinstance(module, nn.Embedding):
-        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+        # sparse=True changes only how autograd would store the weight's summed gradient, which is
+        # never formed here: the per-sample rows are the same
+        if module.max_norm is not None or module.scale_grad_by_freq:
             return None
         return _embedding
     if type(module) in (nn.LSTM, nn.GRU, nn.RNN):
@@ -786,7 +796,7 @@ def rule_for(module: nn.Module) -> Rule | None:
 
         return rnn_parts
     if isinstance(module, nn.EmbeddingBag):
-        if module.mode == "max" or module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+        if module.mode == "max" or module.max_norm is not None or module.scale_grad_by_freq:
             return None
         return _embedding_bag
     if isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d):

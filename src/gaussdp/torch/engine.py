@@ -5,8 +5,9 @@ gradients) with respect to adding or removing one record of the training set, wh
 from the Poisson data loader the engine returns. Each ``optimizer.step()`` is one
 ``SubsampledGaussianEvent(noise_multiplier, sample_rate)``; :meth:`PrivacyEngine.get_epsilon`
 composes them with the chosen accountant (PLD by default, tight). With ``poisson_sampling=False``
-the guarantee is under replace-one of a record, each pass over the loader charged as one
-``GaussianEvent(noise_multiplier / 2)`` (see :meth:`PrivacyEngine.make_private`).
+the guarantee is under replace-one of a record; participation: each record is in at most one batch
+per pass over the loader, each pass charged as one ``GaussianEvent(noise_multiplier / 2)``, passes
+composed (see :meth:`PrivacyEngine.make_private`).
 
 References:
     Abadi et al. 2016, "Deep learning with differential privacy" (DP-SGD).
@@ -17,10 +18,9 @@ References:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from gaussdp._validate import (
 )
 from gaussdp.errors import InvalidParameter, NotPrivateWarning
 from gaussdp.torch._clipper import PerSampleClipper
+from gaussdp.torch._probe import ProbeReport, run_probe
 from gaussdp.torch._random import KeystreamNormal, keystream_normal_available, torch_generator
 from gaussdp.torch._run_accountant import RunAccountant
 from gaussdp.torch.data import DPDataLoader, PassCountingLoader, check_once_per_pass
@@ -127,9 +128,9 @@ class PrivacyEngine:
         self.clipper: PerSampleClipper | None = None
         self.optimizer: DPOptimizer | None = None
         self.noise_stream: str | None = None  # where the gradient noise comes from, once made private
-        self._passes: Any = None  # without Poisson sampling: the loader that counts passes over it
+        self.probe_report: ProbeReport | None = None  # what the independence probe found and cost
+        self._drawn: Any = None  # the batches the loader handed out (gaussdp.torch.data.DrawnBatches)
         self._pass_seen = -1
-        self._pass_steps = 0
         self._pass_mu2 = 0.0  # mu^2 of the Gaussian releases charged in the current pass
 
     @property
@@ -154,9 +155,10 @@ class PrivacyEngine:
         noise_generator: torch.Generator | None = None,
         grad_sample_mode: str = "hooks",
         keep_grad_sample: bool = False,
+        independence_probe: bool | Callable[[nn.Module, Any], Any] = True,
         **adaptive: Any,
     ) -> Any:
-        """Hooks on ``module`` (returned unchanged), a DP optimizer and a Poisson data loader.
+        """Hooks on ``module`` (returned unchanged), a DP optimizer and the private data loader.
 
         Guarantee: with ``poisson_sampling=True`` (default), (epsilon, delta)-DP of everything
         computed from the noisy gradients under add/remove of one record, each step charged as a
@@ -173,6 +175,8 @@ class PrivacyEngine:
                 gradient all-reduce is switched off (``require_backward_grad_sync=False``), since the
                 optimizer all-reduces the clipped sums itself.
             optimizer: over the trainable (``requires_grad``) parameters; frozen ones are ignored.
+                Not ``SparseAdam``: the noisy gradient is dense (an ``Embedding(sparse=True)`` is
+                trained as a dense one).
             data_loader: its dataset and collate function are reused; its batch size ``b`` sets the
                 sample rate ``q = 1 / len(data_loader)`` (about ``b / N``).
             noise_multiplier: ``sigma >= 0``; noise std on the clipped sum is ``sigma * max_grad_norm``.
@@ -184,23 +188,27 @@ class PrivacyEngine:
                 does, ``criterion`` wrapped in :class:`DPLoss` (``loss.backward()`` works as before:
                 gaussdp's clipping already runs in the one backward pass). Its ``reduction`` must
                 match ``loss_reduction``.
-            poisson_sampling: True (the accountant's assumption). False keeps the user's loader
-                (wrapped only to count passes over it), whose sampler must draw each record at
-                most once per pass (sequential or shuffled, no replacement). Each step is averaged
-                over the loader's ``batch_size``, so replacing one record moves one batch's clipped
-                sum by at most ``2 C``: each pass is one Gaussian release of noise multiplier
-                ``sigma / 2`` with respect to that sensitivity, charged before the first step of
-                the pass (and topped up, by the exact composition of Gaussians, if a later step
-                of the pass uses a smaller ``sigma``). Shuffling gives no proven amplification
-                that is tighter in general, so none is claimed. A step after more samples than
-                one batch is refused; for larger steps use a larger ``batch_size`` and
-                :class:`gaussdp.torch.utils.batch_memory_manager.BatchMemoryManager`.
+            poisson_sampling: True (the accountant's assumption). Participation: each record
+                joins each step independently with probability ``q``. False keeps the user's loader
+                (wrapped only to record its passes and batches). Participation: each record is in
+                at most one batch per pass over the loader (its sampler must be sequential or
+                shuffled without replacement, and is checked), and the passes compose. Each step is
+                averaged over the loader's ``batch_size``, so replacing one record moves one
+                batch's clipped sum by at most ``2 C``: each pass is one Gaussian release of noise
+                multiplier ``sigma / 2`` with respect to that sensitivity, charged at the first
+                step that uses a batch of the pass (and topped up, by the exact composition of
+                Gaussians, if a later step of the pass uses a smaller ``sigma``). Shuffling gives
+                no proven amplification that is tighter in general (Chua et al. 2024), so none is
+                claimed. Every step must use exactly one batch of the loader, each of its samples
+                one row of the batch dimension in every hooked layer (the last, smaller batch of a
+                pass holds fewer): anything else is refused before a charge. For larger steps use
+                a larger ``batch_size`` and :class:`BatchMemoryManager` (gaussdp's or Opacus's).
             loss_reduction: "mean" (default) or "sum", how the loss combines the batch.
             batch_first: True (default): the batch is dimension 0 of every layer input. False:
                 dimension 1 (as in Opacus), supported for ``Linear`` (inputs of 3 or more
-                dimensions), ``Embedding`` and ``nn.LSTM``/``GRU``/``RNN`` made with
-                ``batch_first=False``; any other layer is refused at its first backward pass with
-                a message naming it.
+                dimensions), ``Embedding`` and Opacus's ``DPLSTM``/``DPGRU``/``DPRNN``; any other
+                layer is refused at its first backward pass with a message naming it.
+                ``nn.LSTM``/``GRU``/``RNN`` follow their own ``batch_first`` either way.
             clipping: ``"flat"`` (default), ``"per_layer"`` (as in Opacus): each parameter's
                 per-sample gradient clipped to its own bound (``C / sqrt(n)`` each for one number
                 ``C``), the noise scaled to ``sqrt(sum C_p^2)``; or ``"adaptive"`` (Andrew et al.
@@ -225,6 +233,22 @@ class PrivacyEngine:
                 gradients of each trainable parameter (shape ``(B, *p.shape)``, unclipped, as
                 in Opacus). Off by default: gaussdp does not materialise them where ghost norms
                 suffice, and this costs their memory.
+            independence_probe: True (default): before returning, run a quarter of a batch of
+                the dataset (at most 32 records, collated by the loader's ``collate_fn``) forward
+                and backward twice, the second time with its first record replaced by another
+                record of the dataset, and refuse the module (:class:`SampleMixing`) if any
+                hooked layer sees other than one row per sample, or if the change moves another
+                sample's output or per-sample gradient (``x - x.mean(0)``, the sequence in the
+                batch dimension, ...). It costs about half a forward and backward pass of a batch
+                and leaves no trace (torch's random state, buffers, train/eval flags and
+                gradients restored); ``engine.probe_report`` says what it measured. The batch is
+                run, on the module's device, as ``module(batch)`` (a tensor),
+                ``module(*batch[:-1])`` and else ``module(batch[0])`` (a tuple or list: the last
+                element is the target), or ``module(**batch)`` without the keys ``label(s)``,
+                ``target(s)``, ``y`` (a dict); a function ``fn(module, batch) -> output`` runs it
+                otherwise. False skips it. What it cannot catch is listed in
+                :mod:`gaussdp.torch._probe` and the DP-SGD guide (a loss that mixes samples,
+                behaviour that depends on the batch).
 
         Returns:
             ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion, data_loader)``
@@ -232,13 +256,18 @@ class PrivacyEngine:
 
         Raises:
             UnsupportedModule: ``module`` holds a submodule that mixes the samples of a batch or
-                keeps unnoised statistics of the data (any ``BatchNorm``, trainable or not), or a
-                fused RNN configured so that its recurrence cannot be replayed per sample; the
-                message names each by its path and replacement
+                keeps unnoised statistics of the data (any ``BatchNorm``, trainable or not; an
+                ``Embedding`` with ``max_norm``), or a fused RNN configured so that its recurrence
+                cannot be replayed per sample; the message names each by its path and replacement
                 (:class:`gaussdp.torch.ModuleValidator`). Also a module sharded by FSDP (a
                 parameter that is a ``DTensor`` or an FSDP ``FlatParameter``): each rank would clip
                 the norm of its own shard only, smaller than the sample's whole norm.
-            InvalidParameter, TypeError: a bad or unsupported argument, named in the message.
+            SampleMixing: the independence probe saw one sample move another's output or
+                per-sample gradient, or the batch dimension hold other than the samples.
+            UnsafeInput: the probe's batch reached a refusal of the clipper (a layer without a
+                rule for ``batch_first=False``, a ``PackedSequence``, ...), named in the message.
+            InvalidParameter, TypeError: a bad or unsupported argument, named in the message
+                (also: the probe could not run the module on a batch the default way).
 
         References:
             Abadi et al. 2016, "Deep learning with differential privacy" (DP-SGD).
@@ -246,6 +275,8 @@ class PrivacyEngine:
             adaptive clipping", NeurIPS (adaptive clipping; Theorem 1 for its accounting).
             Dong, Roth & Su 2019, "Gaussian differential privacy", Corollary 3.3 (composition of
             Gaussian releases, used for the passes of ``poisson_sampling=False``).
+            Chua, Ghazi, Kamath, Kumar, Manurangsi, Sinha & Zhang 2024, "How private are DP-SGD
+            implementations?", ICML (shuffled batches are not Poisson batches).
         """
         if clipping != "adaptive" and adaptive:
             raise TypeError(f"make_private() got unsupported arguments {sorted(adaptive)}")
@@ -269,6 +300,18 @@ class PrivacyEngine:
         _check_not_sharded(inner)
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            raise InvalidParameter(
+                "optimizer is a torch.optim.SparseAdam, which takes sparse gradients only; the noisy "
+                "gradient of DP-SGD is dense (noise on every row, so that it does not show which rows "
+                "the batch used): use a dense optimizer (SGD, Adam, ...); Embedding(sparse=True) is "
+                "trained as a dense one"
+            )
+        if not (isinstance(independence_probe, bool) or callable(independence_probe)):
+            raise TypeError(
+                "independence_probe must be True, False or a function (module, batch) -> output, got "
+                f"independence_probe={independence_probe!r}"
+            )
         ModuleValidator.validate(inner, strict=True)  # before anything else is made or warned
         if not isinstance(batch_first, bool):
             raise TypeError(f"batch_first must be a bool, got batch_first={batch_first!r}")
@@ -306,7 +349,7 @@ class PrivacyEngine:
             )
 
         rank, world = _distributed()
-        per_step: int | None = None  # without Poisson sampling: the most samples one step may use
+        probe_report: ProbeReport | None = None
         if poisson_sampling:
             loader: Any = DPDataLoader.from_data_loader(
                 data_loader,
@@ -329,11 +372,6 @@ class PrivacyEngine:
             loader = PassCountingLoader(data_loader)
             sample_rate = 1.0 / len(data_loader)
             expected = float(data_loader.batch_size) * world
-            # more samples in one step than one batch means batches were accumulated, which
-            # this charge and denominator do not cover
-            per_step = data_loader.batch_size
-            with contextlib.suppress(TypeError):
-                per_step = min(per_step, len(data_loader.sampler))  # type: ignore[arg-type]
         clipper = PerSampleClipper(
             inner,
             max_grad_norm=max_grad_norm,
@@ -353,19 +391,28 @@ class PrivacyEngine:
                 if noise_generator is not None
                 else self._noise_generator(noise_seed),
                 on_step=self._charge,
-                loader=loader if poisson_sampling else None,
-                max_samples_per_step=per_step,
+                drawn=loader.drawn,
                 adaptive=adaptive_clip,
             )
+            if independence_probe is not False:
+                probe_report = run_probe(
+                    inner,
+                    clipper,
+                    data_loader,
+                    run=None if independence_probe is True else independence_probe,
+                    batch_first=batch_first,
+                    expected_batch_size=expected / world,
+                )
         except BaseException:
             clipper.remove()  # refused: leave the module exactly as it was given
             raise
         if isinstance(module, nn.parallel.DistributedDataParallel):
             module.require_backward_grad_sync = False  # the optimizer all-reduces the clipped sums
         self.clipper, self.optimizer = clipper, dp_optimizer
+        self.probe_report = probe_report
         self.noise_multiplier, self.sample_rate = sigma, sample_rate
         self.poisson_sampling = poisson_sampling
-        self._passes = None if poisson_sampling else loader
+        self._drawn = loader.drawn
         self.noise_stream = (
             "a user torch.Generator (noise_generator): NOT private"
             if noise_generator is not None
@@ -497,14 +544,13 @@ class PrivacyEngine:
     def _state_dict(self) -> dict[str, Any]:
         return {
             **self.accountant.state_dict(),
-            "pass_steps": self._pass_steps,
             "pass_mu2": self._pass_mu2,
         }
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         self.accountant.load_state_dict(state)
         # a resumed run starts a new pass over its loader; it is charged anew
-        self._pass_steps, self._pass_mu2 = 0, 0.0
+        self._pass_seen, self._pass_mu2 = -1, 0.0
 
     # ------------------------------------------------------------------------------- internals
     def _noise_generator(self, seed: int | None) -> Any:
@@ -538,19 +584,20 @@ class PrivacyEngine:
         elif self.poisson_sampling:
             self.accountant.compose(SubsampledGaussianEvent(sigma, self.sample_rate))
         else:
-            # A new pass over the loader (or more steps than one pass holds) may hold each record
-            # again. Within a pass a record is in one batch: the pass is one Gaussian release of
-            # sensitivity 2C (replace-one), i.e. mu = 2 / sigma-GDP at that batch's sigma. mu^2
-            # adds under composition (Dong, Roth & Su 2019, Corollary 3.3), so a later batch of
-            # the pass with a smaller sigma is charged the missing mu^2 only.
-            passes = self._passes.passes if self._passes is not None else 0
-            if passes != self._pass_seen or self._pass_steps >= round(1.0 / self.sample_rate):
-                self._pass_seen, self._pass_steps, self._pass_mu2 = passes, 0, 0.0
+            # Within a pass over the loader a record is in one batch: the pass is one Gaussian
+            # release of sensitivity 2C (replace-one), i.e. mu = 2 / sigma-GDP at that batch's
+            # sigma, charged at the first step using a batch of the pass. mu^2 adds under
+            # composition (Dong, Roth & Su 2019, Corollary 3.3), so a later batch of the pass with a
+            # smaller sigma is charged the missing mu^2 only. A step without a batch (no samples)
+            # belongs to the pass charged last.
+            batch = self._drawn.current if self._drawn is not None else None
+            pass_id = batch[0] if batch is not None else self._pass_seen
+            if pass_id != self._pass_seen:
+                self._pass_seen, self._pass_mu2 = pass_id, 0.0
             need = (2.0 / sigma) ** 2
             if need > self._pass_mu2 * (1.0 + 1e-12):
                 self.accountant.compose(GaussianEvent(1.0 / math.sqrt(need - self._pass_mu2)))
                 self._pass_mu2 = need
-            self._pass_steps += 1
         self.accountant.step(noised=sigma > 0)
         self.noise_multiplier = sigma
 

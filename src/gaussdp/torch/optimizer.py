@@ -1,10 +1,11 @@
 """The DP optimizer: clipped sums (from the hooks) + Gaussian noise once per logical step, then the
 user's optimizer.
 
-One call of :meth:`DPOptimizer.step` is one release of the subsampled Gaussian mechanism: it is
-charged to the accountant *before* the noisy gradient is written, then the noisy sum is divided by
-the *expected* batch size ``q N`` (fixed denominator: dividing by the realised Poisson batch size
-would leak it).
+One call of :meth:`DPOptimizer.step` is one release of the subsampled Gaussian mechanism (with
+fixed-size batches, one step of a pass that is charged as one Gaussian release): it is charged to
+the accountant *before* the noisy gradient is written, then the noisy sum is divided by the
+*expected* batch size ``q N`` (fixed denominator: dividing by the realised Poisson batch size would
+leak it). Each step must have clipped exactly the samples of one batch the data loader handed out.
 """
 
 from __future__ import annotations
@@ -107,10 +108,12 @@ class DPOptimizer(Optimizer):
         on_step: called with the noise multiplier before anything is released, to charge the
             accountant at the multiplier actually used (``noise_multiplier`` may be changed between
             steps, as in Opacus).
-        loader: the Poisson data loader, to check every served sample was clipped as one row.
-        max_samples_per_step: without a Poisson loader, the most samples one step may clip (one
-            batch of the user's loader): a step after more (batches accumulated) is refused,
-            since the accountant charges, and the denominator averages, one batch per step.
+        drawn: the batches the data loader handed out (:class:`gaussdp.torch.data.DrawnBatches`).
+            Each step takes the oldest one not yet used and must have clipped exactly its
+            samples, each as one row of the batch dimension: a model that moves the samples out of
+            that dimension, a batch used twice, or several batches used for one step (which the
+            accountant would under-charge) is refused before anything is charged. None: no check
+            (a ``DPOptimizer`` made by hand, without a data loader).
     """
 
     def __init__(
@@ -122,8 +125,7 @@ class DPOptimizer(Optimizer):
         expected_batch_size: float,
         generator: Any,
         on_step: Callable[[float], None],
-        loader: Any = None,
-        max_samples_per_step: int | None = None,
+        drawn: Any = None,
         check_moved: bool = True,
         adaptive: AdaptiveClipping | None = None,
     ) -> None:
@@ -134,10 +136,8 @@ class DPOptimizer(Optimizer):
         self.expected_batch_size = float(expected_batch_size)
         self.generator = generator
         self._on_step = on_step
-        self._loader = loader
-        self._max_samples = max_samples_per_step
-        self._served_at_last_step = loader.samples_served if loader is not None else 0
-        self._batches_at_last_step = loader.batches_served if loader is not None else 0
+        self._drawn = drawn
+        self._batch_taken = False  # a refused step took the batches of the sums it left
         self._check_moved = check_moved
         self.adaptive = adaptive
         if adaptive is not None and clipper.clipping != "flat":
@@ -206,10 +206,14 @@ class DPOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the clipped sums of a step not taken; gradients are always set to None.
 
-        After a skipped step (:meth:`signal_skip_step`) the clipped sums are kept for the step
-        that ends the batch, as in Opacus; ``p.grad`` and ``p.grad_sample`` are cleared.
+        The batch those sums came from is dropped with them (the next step uses the next batch of
+        the loader). After a skipped step (:meth:`signal_skip_step`) the clipped sums are kept for
+        the step that ends the batch, as in Opacus; ``p.grad`` and ``p.grad_sample`` are cleared.
         """
         if not self._last_step_skipped:
+            if self._drawn is not None and self.clipper.samples and not self._batch_taken:
+                self._drawn.take_prefix(self.clipper.samples)
+            self._batch_taken = False
             self.clipper.reset()
         for p in self.params:
             p.grad = None
@@ -223,7 +227,7 @@ class DPOptimizer(Optimizer):
 
         A skipped step keeps its samples' clipped sums for the batch's last step and charges,
         noises and releases nothing; used by
-        :class:`gaussdp.torch.utils.batch_memory_manager.BatchMemoryManager`.
+        :class:`gaussdp.torch.utils.batch_memory_manager.BatchMemoryManager` and by Opacus's own.
         """
         self._skip_queue.append(bool(do_skip))
 
@@ -265,31 +269,36 @@ class DPOptimizer(Optimizer):
         return noise_buffer(self.generator, p.shape, acc_dtype(p.dtype), std), std
 
     def _check_samples(self) -> None:
-        if self._loader is None:
-            if self._max_samples is not None and self.clipper.samples > self._max_samples:
-                raise UnsafeInput(
-                    f"{self.clipper.samples} samples were clipped since the last step, more than one "
-                    f"batch of the data loader ({self._max_samples}): with poisson_sampling=False "
-                    "each step is charged as one batch (sample rate 1 / len(data_loader)) and averaged "
-                    "over its batch_size, so accumulated batches would be under-charged; nothing was "
-                    "released (call zero_grad()). For larger steps use a larger batch_size and "
-                    "gaussdp.torch.split_batch on each batch"
-                )
+        """The step's samples are exactly those of the oldest batch the loader handed out and no
+        step used yet (none: no samples)."""
+        if self._drawn is None:
             return
-        batches = self._loader.batches_served - self._batches_at_last_step
-        if batches > 1:
+        batch = self._drawn.take()
+        drawn = 0 if batch is None else batch[1]
+        clipped = self.clipper.samples
+        if clipped == drawn:
+            return
+        self._batch_taken = True
+        if batch is None:
             raise UnsafeInput(
-                f"{batches} Poisson batches were used for one step: each step must use one batch "
-                "(the accountant charges one subsampled release per step, and a record drawn twice "
-                "would count twice). For large batches use gaussdp.torch.split_batch on one batch"
+                f"{clipped} samples were clipped since the last step, but the data loader handed out "
+                "no batch for it: each step must use one batch of the loader make_private returned "
+                "(the accountant charges its batches); nothing was released (call zero_grad())"
             )
-        served = self._loader.samples_served - self._served_at_last_step
-        if served != self.clipper.samples:
+        if clipped > drawn and self._drawn.take_prefix(clipped - drawn):
             raise UnsafeInput(
-                f"the data loader served {served} samples since the last step but {self.clipper.samples} "
-                "rows were clipped: every sample must be one row of dimension 0 of each layer input "
-                "(batch_first) and pass through backward once before step(); nothing was released"
+                f"{clipped} samples were clipped since the last step, more than one batch of the data "
+                f"loader ({drawn}): the accountant charges, and the denominator averages, one batch per "
+                "step, so batches accumulated before one step would be under-charged; nothing was "
+                "released (call zero_grad()). For larger steps use a larger batch_size, and "
+                "BatchMemoryManager or gaussdp.torch.split_batch to split each batch"
             )
+        raise UnsafeInput(
+            f"{clipped} samples were clipped since the last step, but its batch from the data loader "
+            f"holds {drawn}: each sample must be one row of the batch dimension of every layer input "
+            "(dimension 0 with batch_first=True, not the sequence) and pass through backward once "
+            "before step(); nothing was released (call zero_grad())"
+        )
 
     def _noisy_sums(self) -> list[torch.Tensor]:
         """Averaged clipped sums plus N(0, (sigma C / qN)^2) per coordinate.
@@ -312,8 +321,11 @@ class DPOptimizer(Optimizer):
         return out
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Charge one subsampled-Gaussian release, write noisy averaged gradients, take the step.
+        """Charge the step, write noisy averaged gradients, take the step.
 
+        First the step's samples are checked against its batch (see ``drawn``; refused before any
+        charge), then ``on_step`` charges it: one subsampled-Gaussian release with Poisson batches,
+        or with fixed-size batches the pass's Gaussian release at the pass's first step.
         ``p.grad`` keeps the noisy averaged gradient after the step, as in Opacus (a plain gradient
         added to it by a later backward pass is still refused). After :meth:`signal_skip_step`,
         the samples are only kept for the batch's last step: nothing is charged or released.
@@ -352,9 +364,6 @@ class DPOptimizer(Optimizer):
         self.clipper.reset()
         if count is not None:
             self._adapt_bound(float(count))
-        if self._loader is not None:
-            self._served_at_last_step = self._loader.samples_served
-            self._batches_at_last_step = self._loader.batches_served
         self.clipper.released = {p: (p.grad, p.grad._version) for p in self.params if p.grad is not None}
         return loss
 

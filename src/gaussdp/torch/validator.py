@@ -12,13 +12,19 @@ their parameters (a frozen ``BatchNorm`` mixes samples as much as a trainable on
 - modules that keep an unnoised aggregate of the training data in their state: ``running_mean``
   and ``running_var`` of a ``BatchNorm`` or an ``InstanceNorm(track_running_stats=True)`` are
   averages over every sample seen, saved with the model and used in eval mode; an
-  ``InstanceNorm`` forward in train mode is per sample, its buffers are not.
+  ``InstanceNorm`` forward in train mode is per sample, its buffers are not. Likewise an
+  ``Embedding``/``EmbeddingBag`` with ``max_norm``: its forward renormalises, in place and without
+  noise, the rows each batch looks up, so the saved weights show which rows the data used.
 
-Fused recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) are trained as they are (their
-recurrence is replayed per sample, :mod:`gaussdp.torch._rnn`), except in configurations the replay
-cannot follow (``batch_first=False``, ``proj_size``, dropout between layers, subclasses): those are
-listed where they have trainable parameters, with Opacus's ``DPLSTM``/``DPGRU``/``DPRNN`` (made
-of linear maps) as the replacement.
+Fused recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``, batch-first or not) are trained as
+they are (their recurrence is replayed per sample, :mod:`gaussdp.torch._rnn`), except in
+configurations the replay cannot follow (``proj_size``, dropout between layers, subclasses): those
+are listed where they have trainable parameters, with Opacus's ``DPLSTM``/``DPGRU``/``DPRNN``
+(made of linear maps) as the replacement.
+
+What no check by module type can see (a statistic over the batch computed in ``forward`` without a
+module, the sequence put in the batch dimension) is looked for on a real batch by the independence
+probe of ``make_private`` (:mod:`gaussdp.torch._probe`).
 
 :meth:`ModuleValidator.fix` returns a copy of the model with each refused module replaced: a
 ``BatchNorm`` by a ``GroupNorm`` over the same channels, an ``InstanceNorm`` by the same layer
@@ -90,6 +96,15 @@ def _problem(path: str, module: nn.Module) -> ModuleProblem | None:
             "affine=False alike)",
             "nn.GroupNorm over the same channels",
         )
+    if isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.max_norm is not None:
+        return ModuleProblem(
+            path,
+            kind,
+            f"max_norm={module.max_norm} renormalises, in place and without noise, the rows each batch "
+            "looks up (trainable or frozen alike), so the saved weights show which rows the training "
+            "data used",
+            f"{kind}(..., max_norm=None) (per-sample clipping bounds each record already)",
+        )
     if isinstance(module, _InstanceNorm) and module.track_running_stats:
         return ModuleProblem(
             path,
@@ -151,7 +166,9 @@ class ModuleValidator:
           ``affine`` and the affine parameters (values and ``requires_grad``) are kept.
         - ``InstanceNorm`` with ``track_running_stats=True``: the same layer without running
           statistics (it then normalises with each sample's own statistics in eval mode too).
-        - a listed ``nn.LSTM``/``GRU``/``RNN`` (``batch_first=False`` or dropout between layers):
+        - ``Embedding``/``EmbeddingBag`` with ``max_norm``: a copy with ``max_norm=None`` (the same
+          weights; rows are no longer renormalised when looked up).
+        - a listed ``nn.LSTM``/``GRU``/``RNN`` (dropout between layers):
           Opacus's ``DPLSTM``/``DPGRU``/``DPRNN`` with the same weights and options (Opacus must be
           installed: ``pip install opacus``).
 
@@ -190,6 +207,10 @@ def _groups(channels: int, max_groups: int) -> int:
 
 def _replacement(name: str, m: nn.Module, max_groups: int) -> nn.Module:
     where = name or "<the model itself>"
+    if isinstance(m, nn.Embedding | nn.EmbeddingBag):
+        new_emb = copy.deepcopy(m)
+        new_emb.max_norm = None
+        return new_emb
     if isinstance(m, _BatchNorm | _InstanceNorm):
         ref = m.weight if m.weight is not None else m.running_mean
         kw: dict[str, Any] = {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}

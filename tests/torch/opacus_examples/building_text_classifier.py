@@ -2,8 +2,8 @@
 # (https://github.com/meta-pytorch/opacus, commit 88919b66, Apache License 2.0), in order, for
 # gaussdp's drop-in tests (tests/torch/test_torch_opacus_examples.py). Running this file runs the
 # tutorial. What changed, cell by cell (every other line is the tutorial's own):
-#   - cells 31 and 33: `from opacus import PrivacyEngine` and
-#     `from opacus.utils.batch_memory_manager import BatchMemoryManager` import gaussdp's instead;
+#   - cell 31: `from opacus import PrivacyEngine` imports gaussdp's instead (cell 33 keeps Opacus's
+#     own BatchMemoryManager, which works with gaussdp's engine);
 #   - data loading (no download; no pandas, and transformers 5 has no glue processors): cells 4-9
 #     build a small synthetic SNLI-like table instead of downloading SNLI, and cell 20's
 #     `_df_to_features` tokenises it with the tokenizer's own call (the same four tensors);
@@ -207,8 +207,8 @@ model, optimizer, train_dataloader = privacy_engine.make_private_with_epsilon(
     max_grad_norm=MAX_GRAD_NORM,
 )
 
-# %% cell 33 (changed: the import)
-from gaussdp.torch.utils.batch_memory_manager import BatchMemoryManager
+# %% cell 33
+from opacus.utils.batch_memory_manager import BatchMemoryManager
 
 for epoch in range(1, EPOCHS+1):
     losses = []

@@ -3,7 +3,8 @@
 # examples/fsdp_llama3.py, Apache License 2.0 as below) for gaussdp's drop-in tests
 # (tests/torch/test_torch_opacus_examples.py), with FSDP removed to run on the CPU in one process.
 # The lines changed, each marked "changed" where it stands (every other line is Opacus's own):
-#   - the imports of PrivacyEngine and BatchMemoryManager import gaussdp's instead of Opacus's;
+#   - the import of PrivacyEngine imports gaussdp's instead of Opacus's (Opacus's own
+#     BatchMemoryManager works with gaussdp's engine);
 #   - FSDP removed: the import of FSDP2Wrapper is dropped and `model = FSDP2Wrapper(model_final,
 #     mp_policy=mp_policy)` is `model = model_final`;
 #   - setup(): the process group is "gloo" over an in-process HashStore (one CPU process; no port)
@@ -39,7 +40,7 @@ import torch.multiprocessing as mp
 from datasets import load_dataset
 from huggingface_hub import login  # used to download from HuggingFace
 from gaussdp.torch import PrivacyEngine  # changed: was `from opacus import PrivacyEngine`
-from gaussdp.torch.utils.batch_memory_manager import BatchMemoryManager  # changed: was opacus.utils's
+from opacus.utils.batch_memory_manager import BatchMemoryManager
 # changed (FSDP removed): was `from opacus.utils.fsdp_utils import FSDP2Wrapper`
 from peft import LoraConfig, TaskType, get_peft_model  # LORA
 from torch.utils.data import DataLoader, DistributedSampler  # , RandomSampler
