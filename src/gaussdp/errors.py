@@ -10,6 +10,7 @@ __all__ = [
     "BudgetExhausted",
     "InvalidParameter",
     "NotPrivateWarning",
+    "NumericalFault",
     "PrivacyError",
     "PrivacyWarning",
     "UnsafeInput",
@@ -23,6 +24,11 @@ class PrivacyError(ValueError):
 
 class InvalidParameter(PrivacyError):
     """A privacy or shape parameter is out of range, e.g. ``delta must be in (0, 1), got delta=1.5``."""
+
+
+class NumericalFault(InvalidParameter):
+    """A privacy computation hit a numerical fault (overflow, NaN, a failed inversion, an answer
+    below a certified lower bound): it fails closed, no number is returned and nothing is charged."""
 
 
 class UnsafeInput(PrivacyError):

@@ -208,6 +208,30 @@ def test_budget_refusal_queues_nothing_and_charges_nothing(rig, perturbed_corpus
         assert c.get("/v1/sessions/poor", headers=rig.a).json()["spent"]["epsilon"] == 0.0
 
 
+def test_tiny_noise_is_refused_at_its_true_cost_never_undercharged(rig, perturbed_corpus):  # type: ignore[no-untyped-def]
+    # Issue 28: noise_multiplier 0.02 (batch 8) was planned at epsilon 1.10 by an overflowing PLD, charged
+    # 1.104 and trained; one step alone costs more than 1000. Now its true cost is far above any session
+    # budget: refused with 409, nothing queued or charged; at 1e-4 the cost exceeds 1e6: 422, never 500.
+    from gaussdp.accounting._profiles import subsampled_epsilon
+
+    text, sigma, _ = perturbed_corpus
+    with httpx.Client(base_url=rig.server.url, timeout=60.0) as c:
+        corpus = _upload(c, rig.a, text, name="lee-tiny", mechanism="gaussian", sigma=sigma).json()
+        c.post("/v1/sessions", json={"epsilon": 8.0, "delta": 1e-5, "session_id": "tiny-noise"}, headers=rig.a)
+        before = c.get("/v1/finetune-jobs", headers=rig.a).json()
+        job = {"corpus_id": corpus["id"], "model": "tiny", "session_id": "tiny-noise", "batch_size": 8}
+        r = c.post("/v1/finetune-jobs", json={**job, "noise_multiplier": 0.02}, headers=rig.a)
+        assert r.status_code == 409 and r.json()["error"] == "budget_exhausted", r.text
+        # what it would have cost: at least one step's exact epsilon, far above the session's 8
+        one_step = subsampled_epsilon(0.02, 8 / corpus["records"], 1e-5)
+        assert one_step > 100.0
+        assert r.json()["remaining"]["epsilon"] == 8.0
+        r = c.post("/v1/finetune-jobs", json={**job, "noise_multiplier": 1e-4}, headers=rig.a)
+        assert r.status_code == 422 and "exceeds" in r.text, r.text
+        assert c.get("/v1/finetune-jobs", headers=rig.a).json() == before
+        assert c.get("/v1/sessions/tiny-noise", headers=rig.a).json()["spent"]["epsilon"] == 0.0
+
+
 def test_tenants_never_see_each_others_corpora_jobs_or_adapters(rig, perturbed_corpus):  # type: ignore[no-untyped-def]
     text, sigma, _ = perturbed_corpus
     with httpx.Client(base_url=rig.server.url, timeout=60.0) as c:

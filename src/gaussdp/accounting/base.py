@@ -18,6 +18,8 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
+import numpy as np
+
 from gaussdp._lazy import lazy_module
 from gaussdp._validate import check_delta, real_number
 from gaussdp.accounting.events import (
@@ -29,7 +31,7 @@ from gaussdp.accounting.events import (
     flatten_event,
     neighboring_relation_of,
 )
-from gaussdp.errors import InvalidParameter
+from gaussdp.errors import InvalidParameter, NumericalFault
 
 if TYPE_CHECKING:
     from scipy import optimize
@@ -134,25 +136,45 @@ class Accountant(abc.ABC):
 
     # ----- answers -----------------------------------------------------------------------------
     def epsilon(self, delta: float) -> float:
-        """Smallest epsilon this accountant can certify at ``delta`` (0.0 when nothing composed)."""
+        """Smallest epsilon this accountant can certify at ``delta`` (0.0 when nothing composed).
+
+        Raises:
+            InvalidParameter: the epsilon exceeds 1e6 (no meaningful privacy) or this accountant
+                cannot bound the composition at this delta. NumericalFault: a numerical fault
+                (overflow, NaN, an answer below the certified lower bound of
+                :mod:`gaussdp.accounting._lower`): no number is returned.
+        """
         delta = check_delta(delta)
         if not self._counts:
             return 0.0
         key = ("eps", delta)
         if key not in self._cache:
-            eps = float(self._epsilon(delta))
-            if math.isnan(eps) or eps < 0.0:
-                raise InvalidParameter(f"internal error: epsilon={eps} at delta={delta:g}")
+            eps = self._fail_closed(self._epsilon, delta, f"epsilon at delta={delta:g}")
+            if eps < 0.0:
+                raise NumericalFault(f"{self.name!r} accountant: epsilon={eps} < 0 at delta={delta:g}")
             if eps > EPSILON_MAX:
                 raise InvalidParameter(
                     f"epsilon at delta={delta:g} exceeds {EPSILON_MAX:g} with the {self.name!r} "
                     "accountant: these releases give no meaningful privacy"
                 )
+            if not self.approximate:
+                from gaussdp.accounting._lower import lower_epsilon  # scipy.special: on first use
+
+                floor = lower_epsilon(self._counts, delta)
+                if eps < floor * (1.0 - 1e-9):
+                    raise NumericalFault(
+                        f"{self.name!r} accountant: epsilon={eps!r} at delta={delta:g} is below the "
+                        f"exact epsilon of one of its releases ({floor!r}); refusing to report it"
+                    )
             self._cache[key] = eps
         return self._cache[key]
 
     def delta(self, epsilon: float) -> float:
-        """Smallest delta this accountant can certify at ``epsilon`` >= 0 (0.0 when nothing composed)."""
+        """Smallest delta this accountant can certify at ``epsilon`` >= 0 (0.0 when nothing composed).
+
+        Raises:
+            NumericalFault: a numerical fault (as for :meth:`epsilon`): no number is returned.
+        """
         epsilon = real_number("epsilon", epsilon)
         if epsilon < 0.0:
             raise InvalidParameter(f"epsilon must be >= 0, got epsilon={epsilon!r}")
@@ -160,11 +182,35 @@ class Accountant(abc.ABC):
             return 0.0
         key = ("delta", epsilon)
         if key not in self._cache:
-            d = float(self._delta(epsilon))
-            if math.isnan(d):
-                raise InvalidParameter(f"internal error: delta is NaN at epsilon={epsilon:g}")
-            self._cache[key] = min(1.0, max(0.0, d))
+            d = min(1.0, max(0.0, self._fail_closed(self._delta, epsilon, f"delta at epsilon={epsilon:g}")))
+            if not self.approximate and d < 1.0:
+                from gaussdp.accounting._lower import lower_delta  # scipy.special: on first use
+
+                floor = lower_delta(self._counts, epsilon)
+                if d < floor * (1.0 - 1e-9):
+                    raise NumericalFault(
+                        f"{self.name!r} accountant: delta={d!r} at epsilon={epsilon:g} is below the "
+                        f"exact delta of one of its releases ({floor!r}); refusing to report it"
+                    )
+            self._cache[key] = d
         return self._cache[key]
+
+    def _fail_closed(self, compute: Callable[[float], float], arg: float, what: str) -> float:
+        """``compute(arg)`` with floating-point overflow and invalid operations raised, every
+        arithmetic fault turned into :class:`NumericalFault`, and NaN refused."""
+        try:
+            with np.errstate(over="raise", invalid="raise"):
+                value = float(compute(arg))
+        except InvalidParameter:
+            raise
+        except (ArithmeticError, ValueError) as exc:  # FloatingPointError, OverflowError, math domain
+            raise NumericalFault(
+                f"{self.name!r} accountant: numerical fault computing {what} ({type(exc).__name__}: "
+                f"{exc}); no number is reported"
+            ) from exc
+        if math.isnan(value):
+            raise NumericalFault(f"{self.name!r} accountant: {what} is NaN; no number is reported")
+        return value
 
     # ----- for subclasses ----------------------------------------------------------------------
     def _on_compose(self) -> None:  # noqa: B027 - an optional hook, empty by default

@@ -52,6 +52,24 @@ __all__ = [
 ADD_REMOVE = "add_remove"
 REPLACE_ONE = "replace_one"
 
+#: The noise multipliers (noise standard deviation / L2 sensitivity) the Gaussian events accept.
+#: Below 1e-4 one sampled record's privacy loss exceeds 5e7 nats: no grid resolves it next to the
+#: unsampled records' losses near 0, and a plain release costs epsilon > 1e6. Above 1e12 the loss is
+#: below 1e-24 nats, under the resolution of every accountant (and mu under the closed form's 1e-12).
+NOISE_MULTIPLIER_MIN = 1e-4
+NOISE_MULTIPLIER_MAX = 1e12
+
+
+def check_noise_multiplier(value: Any, name: str = "noise_multiplier") -> float:
+    """A noise multiplier in [:data:`NOISE_MULTIPLIER_MIN`, :data:`NOISE_MULTIPLIER_MAX`] (1e-4 to 1e12)."""
+    out = check_positive(name, value)
+    if not NOISE_MULTIPLIER_MIN <= out <= NOISE_MULTIPLIER_MAX:
+        raise InvalidParameter(
+            f"{name} must be in [{NOISE_MULTIPLIER_MIN:g}, {NOISE_MULTIPLIER_MAX:g}], got {name}={value!r}: "
+            "outside it no accountant certifies a bound"
+        )
+    return out
+
 
 class Event:
     """Base class of every event. Subclasses are frozen dataclasses with a ``kind`` tag."""
@@ -78,9 +96,7 @@ class GaussianEvent(Event):
     kind: ClassVar[str] = "gaussian"
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "noise_multiplier", check_positive("noise_multiplier", self.noise_multiplier)
-        )
+        object.__setattr__(self, "noise_multiplier", check_noise_multiplier(self.noise_multiplier))
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.kind, "noise_multiplier": self.noise_multiplier}
@@ -95,9 +111,7 @@ class _PoissonGaussianFields(Event):
     sample_rate: float
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "noise_multiplier", check_positive("noise_multiplier", self.noise_multiplier)
-        )
+        object.__setattr__(self, "noise_multiplier", check_noise_multiplier(self.noise_multiplier))
         object.__setattr__(self, "sample_rate", check_probability("sample_rate", self.sample_rate))
 
     def to_dict(self) -> dict[str, Any]:
@@ -186,9 +200,7 @@ class FixedBatchGaussianEvent(Event):
     neighboring_relation: ClassVar[str | None] = REPLACE_ONE
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "noise_multiplier", check_positive("noise_multiplier", self.noise_multiplier)
-        )
+        object.__setattr__(self, "noise_multiplier", check_noise_multiplier(self.noise_multiplier))
         b = check_count(self.batch_size, "batch_size")
         n = check_count(self.dataset_size, "dataset_size")
         if b > n:
