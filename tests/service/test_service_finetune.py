@@ -217,7 +217,8 @@ def test_tiny_noise_is_refused_at_its_true_cost_never_undercharged(rig, perturbe
     text, sigma, _ = perturbed_corpus
     with httpx.Client(base_url=rig.server.url, timeout=60.0) as c:
         corpus = _upload(c, rig.a, text, name="lee-tiny", mechanism="gaussian", sigma=sigma).json()
-        c.post("/v1/sessions", json={"epsilon": 8.0, "delta": 1e-5, "session_id": "tiny-noise"}, headers=rig.a)
+        session = {"epsilon": 8.0, "delta": 1e-5, "session_id": "tiny-noise"}
+        c.post("/v1/sessions", json=session, headers=rig.a)
         before = c.get("/v1/finetune-jobs", headers=rig.a).json()
         job = {"corpus_id": corpus["id"], "model": "tiny", "session_id": "tiny-noise", "batch_size": 8}
         r = c.post("/v1/finetune-jobs", json={**job, "noise_multiplier": 0.02}, headers=rig.a)
