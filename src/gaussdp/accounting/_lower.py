@@ -12,8 +12,8 @@ so an answer below one of these values can only come from a numerical fault (an 
 a plausible small number, a failed inversion): :class:`gaussdp.accounting.base.Accountant` then raises
 :class:`~gaussdp.errors.NumericalFault` instead of returning it.
 
-Only events with an exact profile contribute ((epsilon, delta) events, whose worst-case mechanism is
-what the accountants compose, are skipped), and at most :data:`_MAX_LEAVES` of them per query (any
+Only events whose one-release profile has a closed form contribute (``_EXACT``), and at most
+:data:`_MAX_LEAVES` of them per query (any
 subset gives a valid lower bound), so the check costs a few profile evaluations.
 """
 
@@ -22,15 +22,26 @@ from __future__ import annotations
 import functools
 import math
 
-from gaussdp.accounting._mechanisms import PROFILE_LEAVES, leaf_log_delta, leaf_mu2
+from gaussdp.accounting._mechanisms import leaf_log_delta, leaf_mu2
 from gaussdp.accounting._profiles import subsampled_log_delta
-from gaussdp.accounting.events import Event, GaussianEvent, SubsampledGaussianEvent
+from gaussdp.accounting.events import (
+    Event,
+    FixedBatchGaussianEvent,
+    GaussianEvent,
+    LaplaceEvent,
+    ReplaceOneSubsampledGaussianEvent,
+    SubsampledGaussianEvent,
+)
 from gaussdp.calibration import log_delta_for_mu
 from gaussdp.errors import InvalidParameter
 
 __all__ = ["lower_delta", "lower_epsilon"]
 
 _MAX_LEAVES = 4
+# Leaves whose one-release profile gaussdp computes exactly (closed forms). Not here: the discrete
+# Gaussian (its histogram moves the atoms beyond 9.7 sigma to +inf, an upper bound), loss histograms
+# (their profile is capped at e^700) and profiles (a hull): their values are upper bounds, not exact.
+_EXACT = (SubsampledGaussianEvent, ReplaceOneSubsampledGaussianEvent, FixedBatchGaussianEvent, LaplaceEvent)
 # Relative slack for the floating-point error of the exact profiles themselves (within 3e-8 of
 # 50-digit mpmath where delta > 1e-30; 3e-5 below that: gaussdp.accounting.pld._ONE_STEP_REL).
 _REL = 1e-4
@@ -61,7 +72,7 @@ def _leaves(counts: dict[Event, int]) -> list[Event | float]:
             return e.sample_rate**2 * math.expm1(min(1.0 / e.noise_multiplier**2, 700.0))
         return leaf_mu2(e)
 
-    exact = [e for e in counts if isinstance(e, (SubsampledGaussianEvent, *PROFILE_LEAVES))]
+    exact = [e for e in counts if isinstance(e, _EXACT)]
     exact.sort(key=scale, reverse=True)
     out.extend(exact[: _MAX_LEAVES - len(out)])
     return out

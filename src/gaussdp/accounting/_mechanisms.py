@@ -46,6 +46,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from scipy import special
 
+from gaussdp.accounting._logmath import log1p_exp, log_excess
 from gaussdp.accounting._profiles import subsampled_log_delta
 from gaussdp.accounting.events import (
     DiscreteGaussianEvent,
@@ -144,8 +145,11 @@ def _histogram_sums(leaf: PrivacyLossDistributionEvent) -> tuple[FloatArray, Flo
     loss = np.asarray(leaf.losses)[order]
     p = np.asarray(leaf.probabilities)[order]
     a_suf = np.append(np.cumsum(p[::-1])[::-1], 0.0)  # sum_{i >= j} p_i
-    g_suf = np.append(np.cumsum((p * np.exp(-loss))[::-1])[::-1], 0.0)  # sum_{i >= j} p_i e^{-l_i}
-    return loss, a_suf, g_suf, max(0.0, 1.0 - math.fsum(leaf.probabilities))
+    # log sum_{i >= j} p_i e^{-l_i}, in log space: losses of hundreds of nats underflow e^{-l}
+    with np.errstate(divide="ignore"):
+        log_terms = np.log(p) - loss
+    log_g_suf = np.append(np.logaddexp.accumulate(log_terms[::-1])[::-1], -np.inf)
+    return loss, a_suf, log_g_suf, max(0.0, 1.0 - math.fsum(leaf.probabilities))
 
 
 _DG_MAX_ATOMS = 4_000_000
@@ -181,10 +185,11 @@ def _discrete_gaussian_pld(leaf: DiscreteGaussianEvent) -> PrivacyLossDistributi
 
 def _histogram_log_delta(leaf: PrivacyLossDistributionEvent, e: FloatArray) -> FloatArray:
     # delta(eps) = sum_{l_i > eps} p_i (1 - e^{eps - l_i}) + p_inf, from suffix sums over sorted losses.
-    loss, a_suf, g_suf, p_inf = _histogram_sums(leaf)
+    loss, a_suf, log_g_suf, p_inf = _histogram_sums(leaf)
     j = np.searchsorted(loss, e, side="right")
+    # e^eps sum_{l_i > eps} p_i e^{-l_i} <= sum_{l_i > eps} p_i: formed as one exponential (no overflow)
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        d = a_suf[j] - np.exp(np.minimum(e, 700.0)) * g_suf[j] + p_inf
+        d = a_suf[j] - np.exp(np.minimum(e + log_g_suf[j], 0.0)) + p_inf
         return np.log(np.maximum(d, 0.0))
 
 
@@ -334,11 +339,14 @@ def laplace_rdp(epsilon: float, orders: ArrayLike) -> FloatArray:
     """
     a = np.asarray(orders, dtype=np.float64)
     x = (a - 1.0) / (2.0 * a - 1.0) * np.expm1(-(2.0 * a - 1.0) * epsilon)
-    out: FloatArray = epsilon + np.log1p(x) / (a - 1.0)
+    # epsilon + log1p(x) / (a - 1) cancels for small epsilon (the result is about a epsilon^2 / 2):
+    # its rounding error, a few ulps of epsilon, is added so that the value is never below D_a.
+    out: FloatArray = epsilon + np.log1p(x) / (a - 1.0) + 8.0 * 2.0**-52 * epsilon
     return out
 
 
 _DIFF_MAX = 258  # forward differences up to this order cover every integer order <= 256
+_DIFF_DIGITS = 400  # most decimal digits of cancellation the forward differences may cost
 
 
 @functools.lru_cache(maxsize=64)
@@ -350,7 +358,11 @@ def _log_forward_diffs(sigma: float) -> tuple[float, ...]:
     # sums in decimal arithmetic, with the working precision raised
     # until it exceeds the cancellation (log10 of the largest term over the result) by 30 digits:
     # no floating-point differences that could cancel to a too-small value.
-    n = _DIFF_MAX
+    # Bounded work: the cancellation grows like (k / 2) log10(2 sigma^2) digits; orders whose
+    # difference would need more than _DIFF_DIGITS digits are not computed (+inf: the other argument
+    # of Theorem 27's min alone bounds them, a valid if looser bound).
+    per_order = max(1.0, 0.5 * math.log10(max(2.0 * sigma * sigma, 10.0)))
+    n = min(_DIFF_MAX, 2 * int(_DIFF_DIGITS / per_order / 2))
     prec = 60 + int(n * math.log10(2.0))
     for _ in range(20):
         ctx = decimal.Context(prec=prec, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)
@@ -373,7 +385,7 @@ def _log_forward_diffs(sigma: float) -> tuple[float, ...]:
             need = max(need, float(biggest - acc.log10(ctx)) + 30.0)
             out.append(float(acc.ln(ctx)))
         if need <= prec:
-            return tuple(out)
+            return tuple(out) + (math.inf,) * (_DIFF_MAX - n)
         prec = 2 * prec if not math.isfinite(need) else int(need) + 30
     raise ArithmeticError(f"forward differences did not converge for sigma={sigma!r}")
 
@@ -402,7 +414,9 @@ def _wor_log_a_int(gamma: float, sigma: float, alpha: int) -> float:
         second = np.minimum(first, second)
     log_comb = special.gammaln(alpha + 1.0) - special.gammaln(j + 1.0) - special.gammaln(alpha - j + 1.0)
     terms.extend((second + j * log_gamma + log_comb).tolist())
-    return float(special.logsumexp(terms))
+    # log(1 + S) with S = sum of the positive terms after the leading 1: log1p, never 1 + S (which
+    # rounds S away below 1e-16, a zero RDP claiming delta = 0)
+    return log1p_exp(float(special.logsumexp(terms[1:])))
 
 
 def _log_comb(n: int, k: int) -> float:
@@ -441,26 +455,48 @@ def fixed_batch_gaussian_rdp(
     )
 
 
+# Most trapezoid points one order of the replace-one RDP may cost (bounded work per event).
+_RDP_POINTS_MAX = 200_000
+
+
 @functools.lru_cache(maxsize=256)
 def _replace_one_rdp_cached(sigma: float, q: float, orders: tuple[float, ...]) -> tuple[float, ...]:
     # D_a(P||Q) for P = (1-q) N(0) + q N(-1), Q = (1-q) N(0) + q N(1) (noise sigma); the pair is
-    # symmetric, so this is the RDP of both orders of neighbours. The integrand P^a Q^(1-a) is
-    # analytic with Gaussian tails: the trapezoid rule on a wide grid is accurate to rounding (as for
-    # the fractional orders of rdp._log_a_frac), checked against mpmath in the tests.
+    # symmetric, so this is the RDP of both orders of neighbours. With P/Q = 1 + r and E_Q[r] = 0,
+    # A_a - 1 = E_Q[(1 + r)^a - 1 - a r], an integrand >= 0 (convexity) evaluated in log space without
+    # cancellation (_logmath.log_excess): summing A_a itself loses A_a - 1 to rounding once it is below
+    # 1e-16 (a large sigma or a tiny q) and an RDP of 0 claims delta = 0. The integrand is analytic
+    # with Gaussian tails: the trapezoid rule on a grid of step sigma / 40 is accurate to rounding (as
+    # for rdp._log_a_frac), checked against mpmath in the tests. Its mass sits near 0 and, for the
+    # sampled component, near z = -a (the peak of P^a Q^(1-a)): the grid covers both. An order whose
+    # grid would exceed _RDP_POINTS_MAX points is left out (inf): the minimum over the other orders
+    # is still a bound.
     if q >= 1.0:
         return tuple(a * 2.0 / (sigma * sigma) for a in orders)  # N(-1) vs N(1): a 2^2 / (2 sigma^2)
     out = []
     log1mq, log_q = math.log1p(-q), math.log(q)
+    s2 = sigma * sigma
     for a in orders:
-        half = 40.0 * sigma + 2.0 * a / (sigma * sigma) + 2.0
+        half = 40.0 * sigma + max(a, 2.0 * a / s2) + 2.0
         n = math.ceil(2.0 * half / (sigma / 40.0)) + 1
+        if n > _RDP_POINTS_MAX:
+            out.append(math.inf)
+            continue
         z = np.linspace(-half, half, n)
         step = 2.0 * half / (n - 1)
-        log_n0 = -(z * z) / (2.0 * sigma * sigma) - math.log(sigma * math.sqrt(2.0 * math.pi))
-        log_p = log_n0 + np.logaddexp(log1mq, log_q + (-2.0 * z - 1.0) / (2.0 * sigma * sigma))
-        log_r = log_n0 + np.logaddexp(log1mq, log_q + (2.0 * z - 1.0) / (2.0 * sigma * sigma))
-        log_int = float(special.logsumexp(a * log_p + (1.0 - a) * log_r) + math.log(step))
-        out.append(log_int / (a - 1.0) if math.isfinite(log_int) else math.inf)
+        u = (-2.0 * z - 1.0) / (2.0 * s2)  # log N(z; -1) / N(z; 0)
+        v = (2.0 * z - 1.0) / (2.0 * s2)  # log N(z; +1) / N(z; 0)
+        log_q_mix = np.logaddexp(log1mq, log_q + v)  # log Q(z) / N(z; 0)
+        log1p_r = np.logaddexp(log1mq, log_q + u) - log_q_mix  # log P/Q
+        w = u - v  # r = expm1(w) * s, s = q e^v / ((1-q) + q e^v)
+        log_s = -np.logaddexp(0.0, -(log_q - log1mq + v))
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            r = np.expm1(np.minimum(w, 700.0)) * np.exp(log_s)
+            log_r = w + np.log(-np.expm1(-w)) + log_s  # read only where w > 0
+        log_n0 = -(z * z) / (2.0 * s2) - math.log(sigma * math.sqrt(2.0 * math.pi))
+        log_f = log_n0 + log_q_mix + log_excess(r, log_r, log1p_r, a)
+        log_int = float(special.logsumexp(log_f) + math.log(step))
+        out.append(log1p_exp(log_int) / (a - 1.0) if math.isfinite(log_int) else math.inf)
     return tuple(max(0.0, v) for v in out)
 
 

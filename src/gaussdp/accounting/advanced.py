@@ -21,7 +21,7 @@ import numpy as np
 
 from gaussdp._lazy import lazy_module
 from gaussdp.accounting.base import fixed_leaves
-from gaussdp.accounting.basic import BasicComposition, leaf_epsilon
+from gaussdp.accounting.basic import _LOG_SHARE_MIN, BasicComposition, leaf_epsilon
 from gaussdp.accounting.events import EpsilonDeltaEvent
 from gaussdp.errors import InvalidParameter
 
@@ -88,6 +88,8 @@ class AdvancedComposition(BasicComposition):
             k = sum(c for _, c in mech)
             d_prime = fraction * rest
             share = (rest - d_prime) / k
+            if not (share > 0.0 and d_prime > 0.0):  # underflow at deltas near 5e-324: no such split
+                raise InvalidParameter(f"no delta split of {rest!r} with fraction {fraction!r}")
             eps_list += [(leaf_epsilon(e, share), c) for e, c in mech]
         else:
             d_prime = rest
@@ -144,7 +146,7 @@ class AdvancedComposition(BasicComposition):
         if not mech:
             return min(basic, total(0.0), 1.0)
         top = math.log((1.0 - delta_f) / k) - 1e-9
-        grid = np.linspace(-690.0, top, 70)
+        grid = np.linspace(_LOG_SHARE_MIN, top, 70)
         vals = [total(float(g)) for g in grid]
         i = int(np.argmin(vals))
         lo, hi = float(grid[max(i - 1, 0)]), float(grid[min(i + 1, len(grid) - 1)])

@@ -25,6 +25,10 @@ else:
 
 __all__ = ["BasicComposition", "leaf_epsilon"]
 
+# The smallest per-release delta share searched: the log of the smallest subnormal float (5e-324),
+# so that every delta the API accepts (all of (0, 1)) can be answered, not only those above e^-690.
+_LOG_SHARE_MIN = -744.0
+
 
 @functools.lru_cache(maxsize=4096)
 def leaf_epsilon(leaf: Event, delta: float) -> float:
@@ -83,17 +87,17 @@ class BasicComposition(Accountant):
             return math.fsum(c * leaf_epsilon(e, share) for e, c in mech) - budget
 
         hi = math.log((1.0 - delta_f) / k) - 1e-12
-        if hi <= -690.0 or excess(hi) > 0.0:
+        if hi <= _LOG_SHARE_MIN or excess(hi) > 0.0:
             return 1.0
-        lo = -690.0
+        lo = _LOG_SHARE_MIN
         if excess(lo) <= 0.0:
             return min(1.0, delta_f + k * math.exp(lo))
-        log_share = optimize.brentq(excess, lo, hi, xtol=1e-12, maxiter=200, disp=False)
-        # brentq may stop on the unsafe side: widen the step (bounded work), never past hi, which holds.
-        step = 1e-12
-        for _ in range(64):
-            if excess(log_share) <= 0.0:
-                return min(1.0, delta_f + k * math.exp(log_share))
-            log_share = min(log_share + step, hi)
-            step *= 2.0
-        return 1.0  # no share verified: delta = 1 is the only bound we can vouch for (fail closed)
+        # The smallest share whose releases fit the budget (excess is non-increasing in the share and
+        # can be flat at 0 over an interval, e.g. at epsilon = 0: bisect, never a root search).
+        while hi - lo > 1e-12 * max(1.0, abs(lo)):
+            mid = 0.5 * (lo + hi)
+            if excess(mid) <= 0.0:
+                hi = mid
+            else:
+                lo = mid
+        return min(1.0, delta_f + k * math.exp(hi))  # excess(hi) <= 0 holds at every step

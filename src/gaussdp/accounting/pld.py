@@ -70,7 +70,13 @@ from gaussdp.accounting._mechanisms import (
 )
 from gaussdp.accounting._profiles import subsampled_log_delta
 from gaussdp.accounting.base import Accountant, invert_delta
-from gaussdp.accounting.events import EpsilonDeltaEvent, Event, GaussianEvent, SubsampledGaussianEvent
+from gaussdp.accounting.events import (
+    EpsilonDeltaEvent,
+    Event,
+    GaussianEvent,
+    PrivacyLossDistributionEvent,
+    SubsampledGaussianEvent,
+)
 from gaussdp.accounting.rdp import RDPAccountant
 from gaussdp.calibration import delta_for_mu, epsilon_for_mu
 from gaussdp.errors import InvalidParameter, NumericalFault
@@ -463,7 +469,9 @@ class _BelowFloor(Exception):
     """The asked delta is below what this discrete PLD can resolve."""
 
 
-def _connect_dots(eps_grid: FloatArray, log_delta: FloatArray) -> tuple[FloatArray, float]:
+def _connect_dots(
+    eps_grid: FloatArray, log_delta: FloatArray, log_delta_rev: FloatArray | None = None
+) -> tuple[FloatArray, float]:
     """The discrete PLD on ``eps_grid`` whose profile, as a function of ``y = e^eps``, interpolates the
     exact profile linearly between grid points (Doroshenko et al. 2022, Section 3), and its mass at +inf.
 
@@ -473,21 +481,50 @@ def _connect_dots(eps_grid: FloatArray, log_delta: FloatArray) -> tuple[FloatArr
     ``y_i s_{i+1} = (d_{i+1} - d_i) / expm1(eps_{i+1} - eps_i)`` and ``y_i s_i = (d_i - d_{i-1}) /
     -expm1(-(eps_i - eps_{i-1}))`` involve only grid *differences*, so no e^eps is formed: losses far
     above 709 nats (noise multipliers of a few hundredths) do not overflow.
+
+    The differences themselves are where precision is lost: at negative epsilon the profile is close
+    to 1, and ``d_{i+1} - d_i`` formed from two numbers near 1 keeps only ``1e-16`` of absolute
+    accuracy, which the division by ``expm1(h)`` amplifies by ``1 / h`` (a grid of 1e-8: masses wrong
+    by 1e-8 per point, composed a million times). ``log_delta_rev`` removes that: at each negative
+    grid point ``x`` it holds ``log delta'(-x)`` of the *reversed* pair (the add direction for the
+    remove one, the pair itself for symmetric pairs), and ``d(x) = 1 - e^x (1 - delta'(-x))``
+    (``H_a(P||Q) = 1 - a + a H_{1/a}(Q||P)``), so every difference is formed from small quantities:
+    between two negative points ``e^a ((delta'_b - delta'_a) - expm1(b - a)(1 - delta'_b))``, across
+    zero ``delta(b) + expm1(a) - e^a delta'_a``.
     """
-    d = np.exp(log_delta)
-    n = len(d)
-    dd = np.diff(d)  # <= 0: the profile is non-increasing
+    n = len(eps_grid)
     de = np.diff(eps_grid)
+    if log_delta_rev is None:
+        d = np.exp(log_delta)
+        dd = np.diff(d)  # <= 0: the profile is non-increasing
+        first_minus_1 = d[0] - 1.0
+        last = float(d[-1])
+    else:
+        neg = eps_grid < 0.0
+        dpos = np.where(neg, 0.0, np.exp(np.where(neg, 0.0, log_delta)))  # delta(x), x >= 0
+        drev = np.where(neg, np.exp(np.where(neg, log_delta_rev, 0.0)), 0.0)  # delta'(-x), x < 0
+        ex = np.exp(np.minimum(eps_grid, 0.0))  # e^x on the negative side
+        a, b = eps_grid[:-1], eps_grid[1:]
+        na, nb = neg[:-1], neg[1:]
+        # e^a expm1(b - a) = e^b - e^a: the expm1 form where the two are close (no cancellation), the
+        # difference where they are far apart (expm1 would overflow past 709 nats)
+        with np.errstate(over="ignore"):
+            rise = np.where(b - a < 1.0, ex[:-1] * np.expm1(np.minimum(b - a, 1.0)), ex[1:] - ex[:-1])
+        both_neg = ex[:-1] * (drev[1:] - drev[:-1]) - rise * (1.0 - drev[1:])
+        across = dpos[1:] + np.expm1(np.minimum(a, 0.0)) - ex[:-1] * drev[:-1]
+        dd = np.where(na & nb, both_neg, np.where(na, across, dpos[1:] - dpos[:-1]))
+        first_minus_1 = -ex[0] * (1.0 - drev[0]) if neg[0] else dpos[0] - 1.0
+        last = float(1.0 - ex[-1] * (1.0 - drev[-1])) if neg[-1] else float(dpos[-1])
     up = np.zeros(n)  # y_i s_{i+1}; 0 at the last point (flat beyond it)
     with np.errstate(over="ignore"):  # points ~710 nats apart: y_i / (y_{i+1} - y_i) is 0 exactly
         up[:-1] = dd / np.expm1(de)
     down = np.empty(n)  # y_i s_i
-    down[0] = d[0] - 1.0  # the chord from (0, 1)
+    down[0] = first_minus_1  # the chord from (0, 1)
     down[1:] = dd / -np.expm1(-de)
     pmf = up - down
     if not np.all(np.isfinite(pmf)):
         raise NumericalFault("connect-the-dots produced a non-finite probability mass")
-    return np.maximum(pmf, 0.0), float(d[-1])
+    return np.maximum(pmf, 0.0), last
 
 
 class PLDAccountant(Accountant):
@@ -916,11 +953,14 @@ class PLDAccountant(Accountant):
         return h
 
     def _mass_excess(self, h: float) -> float:
+        # Every discretised leaf (profile leaves have one symmetric pair for both directions).
         excess = 0.0
         for e, c in self._counts.items():
             if isinstance(e, SubsampledGaussianEvent):
                 for direction in ("remove", "add"):
                     excess += c * abs(self._leaf_pmf(e, c, direction, h).mass_excess)
+            elif isinstance(e, PROFILE_LEAVES):
+                excess += c * abs(self._leaf_pmf(e, c, "remove", h).mass_excess)
         return excess
 
     def _leaf_range(self, leaf: Event, count: int) -> float:
@@ -978,7 +1018,12 @@ class PLDAccountant(Accountant):
                     f"h={h:g}; use a coarser value_discretization_interval"
                 )
             grid_p: FloatArray = np.arange(lo_i, hi_i + 1, dtype=np.float64) * h
-            pmf, inf_mass = _connect_dots(grid_p, leaf_log_delta(leaf, grid_p))
+            # Symmetric pairs (all but user histograms, which may not be): the reversed profile at
+            # -x is the profile itself at |x|, for the accurate differences at negative losses.
+            rev = None
+            if not isinstance(leaf, PrivacyLossDistributionEvent):
+                rev = leaf_log_delta(leaf, np.abs(grid_p))
+            pmf, inf_mass = _connect_dots(grid_p, leaf_log_delta(leaf, grid_p), rev)
             out = _make_leaf(lo_i, pmf, math.log1p(-inf_mass) if inf_mass < 1 else -math.inf, h)
         else:
             if isinstance(leaf, SubsampledGaussianEvent):
@@ -997,8 +1042,11 @@ class PLDAccountant(Accountant):
             idx = _profile_points(lo_i, hi_i, h, lambda e: subsampled_log_delta(sigma, q, e, direction))
             grid: FloatArray = idx.astype(np.float64) * h
             log_d = subsampled_log_delta(sigma, q, grid, direction)
+            # The reversed pair (remove <-> add; a Gaussian is symmetric) at -x for negative x.
+            other: Direction = direction if q >= 1.0 else ("add" if direction == "remove" else "remove")
+            log_rev = subsampled_log_delta(sigma, q, np.abs(grid), other)
             pmf = np.zeros(hi_i - lo_i + 1)
-            pmf[idx - lo_i], inf_mass = _connect_dots(grid, log_d)
+            pmf[idx - lo_i], inf_mass = _connect_dots(grid, log_d, log_rev)
             # Masses below 1e-200 go to +inf (pessimistic: a larger loss), which keeps subnormal
             # numbers, a hundred times slower to compute with, out of every later step.
             tiny = pmf < 1e-200

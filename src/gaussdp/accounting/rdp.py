@@ -27,6 +27,7 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy import special
 
+from gaussdp.accounting._logmath import log1p_exp, log_excess
 from gaussdp.accounting._mechanisms import leaf_rdp
 from gaussdp.accounting.base import Accountant
 from gaussdp.accounting.events import (
@@ -75,46 +76,17 @@ def _log_a_int(q: float, sigma: float, alpha: int) -> float:
     y = (k * k - k) / (2 * sigma**2)
     log_gain = y + np.log(-np.expm1(-y))  # log(expm1(y)), also where expm1(y) overflows
     log_terms = log_binom + k * math.log(q) + (alpha - k) * math.log1p(-q) + log_gain
-    return _log1p_exp(float(special.logsumexp(log_terms)))
-
-
-def _log1p_exp(log_x: float) -> float:
-    """log(1 + e^log_x), accurate for tiny and huge x."""
-    return log_x + math.log1p(math.exp(-log_x)) if log_x > 0.0 else math.log1p(math.exp(log_x))
+    return log1p_exp(float(special.logsumexp(log_terms)))
 
 
 def _log_excess(q: float, z: FloatArray, alpha: float) -> FloatArray:
-    """log((1 + r)^alpha - 1 - alpha r) for r = q expm1(z) > -1, without cancellation or overflow.
-
-    The value is >= 0 by convexity. Near r = 0: the binomial series sum_{j>=2} C(alpha, j) r^j (its
-    terms shrink by |r| < 0.1 each); for r <= -0.1 the plain formula; for r >= 0.1 ``alpha log(1 + r)
-    + log(1 - (1 + alpha r) / (1 + r)^alpha)`` with both logarithms formed in log space, so that huge
-    r does not overflow.
-    """
+    """log((1 + r)^alpha - 1 - alpha r) for r = q expm1(z) > -1 (see ``_logmath.log_excess``)."""
     with np.errstate(over="ignore"):
         r = q * np.expm1(np.minimum(z, 700.0))
-    out = np.empty_like(z)
-    small = np.abs(r) < 0.1
-    rs = r[small]
-    coef, total, power = 1.0, np.zeros_like(rs), np.ones_like(rs)
-    for j in range(1, 24):
-        coef *= (alpha - j + 1) / j
-        power = power * rs
-        if j >= 2:
-            total += coef * power
-    with np.errstate(divide="ignore"):
-        out[small] = np.log(total)  # -inf at r = 0 exactly: that point adds nothing
-    # r <= -0.1: every quantity is of order 1, the plain formula is accurate.
-    neg = ~small & (r < 0.0)
-    rn = r[neg]
-    out[neg] = np.log(np.exp(alpha * np.log1p(rn)) - 1.0 - alpha * rn)
-    pos = ~small & (r > 0.0)
-    zp = z[pos]
-    log1p_r = np.logaddexp(math.log1p(-q), math.log(q) + zp)  # log(1 + r)
-    log_r = math.log(q) + zp + np.log(-np.expm1(-zp))  # z > 0 where r > 0
-    log1p_ar = np.logaddexp(0.0, math.log(alpha) + log_r)
-    out[pos] = alpha * log1p_r + np.log(-np.expm1(log1p_ar - alpha * log1p_r))
-    return out
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        log_r = math.log(q) + z + np.log(-np.expm1(-z))  # read only where z > 0 (r > 0)
+    log1p_r = np.logaddexp(math.log1p(-q), math.log(q) + z)  # log(1 + r)
+    return log_excess(r, log_r, log1p_r, alpha)
 
 
 def _log_a_frac(q: float, sigma: float, alpha: float) -> float:
@@ -137,7 +109,7 @@ def _log_a_frac(q: float, sigma: float, alpha: float) -> float:
     z = (2.0 * x - 1.0) / (2.0 * sigma**2)
     log_density = -(x * x) / (2.0 * sigma**2) - math.log(sigma * math.sqrt(2.0 * math.pi))
     log_f = log_density + _log_excess(q, z, alpha)
-    return _log1p_exp(float(special.logsumexp(log_f) + math.log(step)))
+    return log1p_exp(float(special.logsumexp(log_f) + math.log(step)))
 
 
 # Most trapezoid points one fractional order may cost (sigma >= about 2.4e-3 at order 12).
@@ -168,7 +140,16 @@ def subsampled_gaussian_rdp(
 
 
 def rdp_to_epsilon(rdp: FloatArray, orders: FloatArray, delta: float) -> float:
-    """Smallest epsilon over orders from the improved conversion (CKS 2020, Proposition 12)."""
+    """Smallest epsilon over orders from the improved conversion (CKS 2020, Proposition 12).
+
+    Zero where ``delta`` is at least the total-variation bound ``min_alpha sqrt(1 - e^-rdp)`` that
+    :func:`rdp_to_delta` also uses (every delta(eps >= 0) is below it), so that the two conversions
+    agree: ``epsilon(delta(e)) <= e``.
+    """
+    with np.errstate(invalid="ignore", divide="ignore"):
+        log_tv = float(np.nanmin(0.5 * np.log(-np.expm1(-rdp))))
+    if log_tv < 0.0 and math.log(delta) >= log_tv:
+        return 0.0
     with np.errstate(invalid="ignore", over="ignore"):
         eps = rdp + np.log1p(-1.0 / orders) - (math.log(delta) + np.log(orders)) / (orders - 1.0)
     eps = np.where(np.isfinite(eps), eps, np.inf)
