@@ -177,7 +177,7 @@ def test_stream_refusals_name_the_problem_and_charge_nothing(served_lm) -> None:
         (served_lm.headers, {**start, "model": "nope"}, "invalid", 4422),
         (served_lm.headers, {**start, "max_new_tokens": 10_000}, "invalid", 4422),
         (served_lm.headers, {**start, "sigma": 1.0}, "invalid", 4422),  # two noise levels
-        (served_lm.headers, {**start, "api_key": served_lm.key}, "invalid", 4422),  # two keys
+        (served_lm.headers, {**start, "api_key": served_lm.key}, "invalid", 4422),  # not a field
         (served_lm.headers, {**start, "layer": "transformer.nope"}, "invalid", 4422),
         # inside a block: the residual stream goes around it (the clean state would leak)
         (served_lm.headers, {**start, "layer": "transformer.h.1.attn"}, "invalid", 4422),
@@ -185,7 +185,8 @@ def test_stream_refusals_name_the_problem_and_charge_nothing(served_lm) -> None:
     ]
     for headers, body, code, close in cases:
         with connect(url, additional_headers=headers) as ws:
-            ws.send(json.dumps(body))
+            if headers:  # without a key the server refuses before reading any message
+                ws.send(json.dumps(body))
             m = json.loads(ws.recv(timeout=30))
             assert m["type"] == "error" and m["error"] == code, (body, m)
             with pytest.raises(websockets.exceptions.ConnectionClosed):
@@ -197,9 +198,10 @@ def test_stream_refusals_name_the_problem_and_charge_nothing(served_lm) -> None:
         ws.send(json.dumps(start))
         assert json.loads(ws.recv(timeout=30))["error"] == "not_found"
     assert _charges(served_lm, sid) == []
-    # a browser cannot set headers: the key may come in the start message
-    with connect(url) as ws:
-        ws.send(json.dumps({**start, "api_key": served_lm.key}))
+    # a browser cannot set headers: the key comes in the subprotocols, never in a message
+    with connect(url, subprotocols=["gaussdp.v1", f"gaussdp.key.{served_lm.key}"]) as ws:
+        assert ws.subprotocol == "gaussdp.v1"
+        ws.send(json.dumps(start))
         kinds = [json.loads(ws.recv(timeout=30))["type"] for _ in range(5)]
     assert kinds[0] == "start" and kinds[-1] == "end"
     assert len(_charges(served_lm, sid)) == kinds.count("token")

@@ -1,19 +1,26 @@
 """The service configured by environment variables (``gaussdp serve`` sets them from its options).
 
-=============================  ==============================================  ===================
-variable                       meaning                                         default
-=============================  ==============================================  ===================
-``GAUSSDP_DB``                 ledger URL (``sqlite:///...``, ``postgresql://``)  ``sqlite:///gaussdp-ledger.db``
-``GAUSSDP_CPU_LIMIT_S``        CPU seconds of numeric work per request          1.0
-``GAUSSDP_MAX_BODY_BYTES``     larger bodies get 413                            8388608
-``GAUSSDP_RATE_LIMIT_PER_S``   requests/s per API key, all workers (429)        none
-``GAUSSDP_RATE_LIMIT_BURST``   token bucket size                                the rate, rounded up
-``GAUSSDP_RATE_LIMIT_FILE``    buckets shared by this host's workers            set by ``gaussdp serve``
-``GAUSSDP_TEXT``               ``keyed``, ``public`` or ``off``                 ``keyed``
-``GAUSSDP_METRICS``            ``keyed``, ``public`` or ``off``                 ``keyed``
-``GAUSSDP_NOISE``              ``secure`` or ``fast``                           ``secure``
-``GAUSSDP_DATA_DIR``           corpora and adapters; enables fine-tuning        none (off)
-=============================  ==============================================  ===================
+- ``GAUSSDP_DB``: ledger URL, ``sqlite:///...`` or ``postgresql://...`` (default
+  ``sqlite:///gaussdp-ledger.db``)
+- ``GAUSSDP_CPU_LIMIT_S``: CPU seconds of numeric work per request (default 1.0)
+- ``GAUSSDP_MAX_BODY_BYTES``: larger bodies get 413 (default 8388608)
+- ``GAUSSDP_RATE_LIMIT_PER_S``: requests/s per API key, all workers (429) (default none)
+- ``GAUSSDP_RATE_LIMIT_BURST``: token bucket size (default the rate, rounded up)
+- ``GAUSSDP_RATE_LIMIT_FILE``: buckets shared by this host's workers (default set by ``gaussdp serve``)
+- ``GAUSSDP_TEXT``: ``keyed``, ``public`` or ``off`` (default ``keyed``)
+- ``GAUSSDP_METRICS``: ``keyed``, ``public`` or ``off`` (default ``keyed``)
+- ``GAUSSDP_NOISE``: ``secure`` or ``fast`` (default ``secure``)
+- ``GAUSSDP_DATA_DIR``: corpora and adapters; enables fine-tuning (default none (off))
+- ``GAUSSDP_MAX_STREAMS``: generations at once per worker (429 past it) (default 32)
+- ``GAUSSDP_MAX_STREAMS_PER_TENANT``: one tenant's share of them (default 8)
+- ``GAUSSDP_MAX_STREAM_S``: a stream ends (``time_limit``) after this many seconds (default 300)
+- ``GAUSSDP_STREAM_IDLE_S``: and (``idle``) this long after its last token (default 60)
+- ``GAUSSDP_CKKS_MEMORY_BYTES``: loaded CKKS contexts per worker, all tenants (default 536870912, 512 MiB)
+- ``GAUSSDP_CKKS_TENANT_MEMORY_BYTES``: one tenant's loaded CKKS contexts, per worker (default
+  134217728, 128 MiB)
+- ``GAUSSDP_MAX_CORPORA_PER_TENANT``: corpora stored per tenant (default 100)
+- ``GAUSSDP_MAX_CORPUS_BYTES_PER_TENANT``: bytes of a tenant's stored corpora (default 2000000000)
+- ``GAUSSDP_MAX_JOBS_PER_TENANT``: a tenant's fine-tuning jobs not finished (default 4)
 
 ``gaussdp serve`` also reads ``GAUSSDP_HOST``, ``GAUSSDP_PORT``, ``GAUSSDP_WORKERS``,
 ``GAUSSDP_SSL_CERTFILE`` and ``GAUSSDP_SSL_KEYFILE``. A value that does not parse is refused at
@@ -39,6 +46,15 @@ ENV = {
     "metrics": "GAUSSDP_METRICS",
     "noise": "GAUSSDP_NOISE",
     "data_dir": "GAUSSDP_DATA_DIR",
+    "max_streams": "GAUSSDP_MAX_STREAMS",
+    "max_streams_per_tenant": "GAUSSDP_MAX_STREAMS_PER_TENANT",
+    "max_stream_s": "GAUSSDP_MAX_STREAM_S",
+    "stream_idle_s": "GAUSSDP_STREAM_IDLE_S",
+    "ckks_memory_bytes": "GAUSSDP_CKKS_MEMORY_BYTES",
+    "ckks_tenant_memory_bytes": "GAUSSDP_CKKS_TENANT_MEMORY_BYTES",
+    "max_corpora_per_tenant": "GAUSSDP_MAX_CORPORA_PER_TENANT",
+    "max_corpus_bytes_per_tenant": "GAUSSDP_MAX_CORPUS_BYTES_PER_TENANT",
+    "max_jobs_per_tenant": "GAUSSDP_MAX_JOBS_PER_TENANT",
 }
 
 
@@ -62,6 +78,15 @@ _PARSE: dict[str, Callable[[str], Any]] = {
     "metrics": _choice("keyed", "public", "off"),
     "noise": _choice("secure", "fast"),
     "data_dir": str,
+    "max_streams": int,
+    "max_streams_per_tenant": int,
+    "max_stream_s": float,
+    "stream_idle_s": float,
+    "ckks_memory_bytes": int,
+    "ckks_tenant_memory_bytes": int,
+    "max_corpora_per_tenant": int,
+    "max_corpus_bytes_per_tenant": int,
+    "max_jobs_per_tenant": int,
 }
 
 
