@@ -59,7 +59,7 @@ from gaussdp.budget import Budget, Ledger, StoreUnavailable, UnknownPrincipal
 from gaussdp.service import errors
 from gaussdp.service.auth import Caller, KeyCache
 from gaussdp.service.bounds import JSONDepthLimit
-from gaussdp.service.deps import SUBPROTOCOL, Gate, bounded
+from gaussdp.service.deps import SUBPROTOCOL, Gate, HeavyLane, bounded
 from gaussdp.service.limits import BodySizeLimit, RateLimiter, SharedRateLimiter
 from gaussdp.service.metrics import Metrics
 from gaussdp.service.models import (
@@ -254,6 +254,7 @@ def create_app(
     Releaser = Annotated[Caller, Depends(needs("release"))]
     Admin = Annotated[Caller, Depends(needs("admin"))]
     limited = bounded(cpu_limit_s)
+    lane = HeavyLane()  # CPU-heavy work of async routes, one piece at a time (corpora, CKKS contexts)
 
     def principal(tenant: str, session_id: str) -> str:
         # Tenant names cannot contain "/", so "tenant/session" never collides across tenants.
@@ -543,6 +544,7 @@ def create_app(
                 bounded=limited,
                 cpu_limit_s=cpu_limit_s,
                 quotas=quotas,
+                lane=lane,
             )
         )
 
@@ -601,6 +603,7 @@ def create_app(
                 bounded=limited,
                 cpu_limit_s=cpu_limit_s,
                 quotas=quotas,
+                lane=lane,
             )
         )
     return app

@@ -38,9 +38,10 @@ the privacy of the rows against whoever holds the key comes from the noise.
 bytes) and about 1 MiB besides (:func:`context_memory_bytes`; the SEAL context of the fixed
 parameters is shared). Measured (RSS growth per context, ``tests/service/test_service_ckks.py``):
 13.8 MiB at rank 32 (9 keys), 18.6 MiB with the 12 keys of every rank, at most 37 MiB (24 keys).
-Loading one costs 0.05 to 0.12 s of CPU in one SEAL call that holds the GIL: loads run in a worker
-thread under the request's CPU limit, one at a time per worker (and one at a time per tenant), so
-that the event loop waits for at most one. At most :data:`MAX_ROWS` rows a request: each row
+Loading one costs 0.05 to 0.12 s of CPU, key by key (SEAL calls of about 7 ms, each holding the
+GIL): loads run in a worker thread under the request's CPU limit, in the app's lane for CPU-heavy
+work (one piece at a time per worker) and one at a time per tenant, so that the event loop waits
+for one key's load at most. At most :data:`MAX_ROWS` rows a request: each row
 costs about 0.1 to 0.2 s of one core at hidden size 1536 and rank 32
 (``benchmarks/bench_inference.py``), so that a request stays near the service's 1 s of CPU. An
 adapter's diagonals are encoded once, at its first request.
@@ -64,7 +65,7 @@ from pydantic import BaseModel, Field
 from gaussdp._neighbouring import DEFAULT_HIDDEN_STATE_NEIGHBOURING
 from gaussdp._worklimit import check_work_limit, no_cpu_limit
 from gaussdp.service.auth import Caller
-from gaussdp.service.deps import offload
+from gaussdp.service.deps import CPUBudget, HeavyLane
 from gaussdp.service.errors import Refusal
 from gaussdp.service.models import (
     SESSION_ID_PATTERN,
@@ -269,12 +270,14 @@ def ckks_router(
     bounded: Callable[[Callable[..., Any]], Callable[..., Any]],
     cpu_limit_s: float,
     quotas: Quotas | None = None,
+    lane: HeavyLane | None = None,
 ) -> APIRouter:
     """The two CKKS routes over ``create_app``'s adapters, ledger, key check and charge path.
 
     Args:
         cpu_limit_s: the per-request CPU limit a context's loading runs under.
         quotas: the CKKS memory budgets (``ckks_memory_bytes``, ``ckks_tenant_memory_bytes``).
+        lane: the app's lane for CPU-heavy work (a context is loaded in it).
     """
     from gaussdp.inference.ckks import (
         MAX_HIDDEN,
@@ -288,10 +291,10 @@ def ckks_router(
     Releaser = Annotated[Caller, Depends(releaser)]
     quotas = quotas or Quotas()
     contexts = ContextMemory(quotas.ckks_memory_bytes, quotas.ckks_tenant_memory_bytes)
-    # SEAL's load holds the GIL for its whole call (0.05-0.12 s): one load at a time per worker, so
-    # that the event loop waits for one at most, and one upload at a time per tenant, so that a
-    # tenant's queue of uploads waits behind itself (the lane is first come, first served)
-    lane = asyncio.Lock()
+    # A context loads key by key (SEAL calls of about 7 ms, each holding the GIL), in the app's lane
+    # for CPU-heavy work (one piece at a time per worker), and one upload at a time per tenant, so
+    # that a tenant's queue of uploads waits behind itself (the lane is first come, first served)
+    lane = lane or HeavyLane()
     tenant_uploads: dict[str, tuple[asyncio.Lock, int]] = {}  # tenant -> (its lock, uploads in flight)
     plans: dict[str, CKKSLoRAPlan] = {}
     plans_lock = threading.Lock()
@@ -305,8 +308,9 @@ def ckks_router(
             return plans[name]
 
     def load(data: bytes) -> Any:
-        ctx = CKKSPublicContext(data)  # UnsafeInput -> 422 (the app's PrivacyError handler)
-        check_work_limit()  # one SEAL call: checked once it returns (a slow load is refused)
+        # UnsafeInput -> 422 (the app's PrivacyError handler); the CPU limit is looked at between keys
+        ctx = CKKSPublicContext(data, between_keys=check_work_limit)
+        check_work_limit()
         return ctx
 
     def usable(ctx: Any) -> list[str]:
@@ -347,8 +351,7 @@ def ckks_router(
                 data = await request.body()
                 if not data:
                     raise HTTPException(422, "body: send the bytes of CKKSClient.public_context()")
-                async with lane:
-                    ctx = await offload(cpu_limit_s, load, data)
+                ctx = await lane.run(CPUBudget(cpu_limit_s), load, data)
                 del data
                 size = context_memory_bytes(ctx)
                 contexts.put(who.tenant, p, ctx, size)

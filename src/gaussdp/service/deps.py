@@ -11,6 +11,7 @@ their key (:meth:`Gate.alive`) so that revoking it ends them within 1 s.
 
 # No "from __future__ import annotations": FastAPI resolves the dependencies' annotations at runtime.
 
+import asyncio
 import functools
 import math
 import time
@@ -32,6 +33,7 @@ __all__ = [
     "SUBPROTOCOL",
     "CPUBudget",
     "Gate",
+    "HeavyLane",
     "bounded",
     "offload",
     "websocket_key",
@@ -146,6 +148,30 @@ async def offload(cpu_limit_s: float, fn: Callable[..., T], *args: Any) -> T:
             return fn(*args)
 
     return await anyio.to_thread.run_sync(run)
+
+
+class HeavyLane:
+    """CPU-heavy request work (a corpus block's check, a CKKS context's loading), one piece at a
+    time per worker process, first come first served, each in a worker thread.
+
+    Python runs one thread at a time (the GIL): pieces in parallel threads would not finish sooner,
+    but every thread that wants the GIL makes the event loop wait longer for it. One at a time, the
+    loop waits for at most one piece's next switch (5 ms of Python, or one short C call). A long
+    upload goes back in the queue after each block, so that uploads interleave block by block.
+    """
+
+    def __init__(self) -> None:
+        self._locks: dict[int, asyncio.Lock] = {}  # per event loop (tests run several)
+
+    def _lock(self) -> asyncio.Lock:
+        loop = id(asyncio.get_running_loop())
+        if loop not in self._locks:
+            self._locks = {loop: asyncio.Lock()}
+        return self._locks[loop]
+
+    async def run(self, budget: "CPUBudget", fn: Callable[..., T], *args: Any) -> T:
+        async with self._lock():
+            return await budget.run(fn, *args)
 
 
 class CPUBudget:

@@ -50,7 +50,8 @@ the body is read when it can be, and again in the transaction that stores the ro
 stored, nothing charged); 503 the database cannot be reached.
 
 A corpus is checked, hashed and written in blocks of 1 MiB in worker threads, never on the event
-loop, all blocks together under the request's CPU limit (``cpu_limit_s``).
+loop, all blocks together under the request's CPU limit (``cpu_limit_s``), one block at a time per
+worker process (:class:`~gaussdp.service.deps.HeavyLane`: concurrent uploads take turns).
 
 Who pays: a job is charged to a **session** the request names (``session_id``; opened with
 ``POST /v1/sessions``, whose budget and accountant apply, as for every release), with the plan's
@@ -89,7 +90,7 @@ from gaussdp.budget import Ledger, UnknownPrincipal
 from gaussdp.errors import PrivacyError, WorkLimitExceeded
 from gaussdp.service.auth import Caller
 from gaussdp.service.corpus_check import CorpusChecker
-from gaussdp.service.deps import CPUBudget
+from gaussdp.service.deps import CPUBudget, HeavyLane
 from gaussdp.service.errors import Refusal
 from gaussdp.service.finetune_models import (
     ID_PATTERN,
@@ -134,6 +135,7 @@ def make_finetune_router(
     bounded: Callable[[Callable[..., Any]], Callable[..., Any]],
     cpu_limit_s: float = 1.0,
     quotas: Quotas | None = None,
+    lane: HeavyLane | None = None,
     vocabulary: Callable[[], Any] | None = None,
 ) -> APIRouter:
     """The fine-tuning routes (module docstring), over ``ledger`` and ``jobs`` (the same database).
@@ -144,9 +146,11 @@ def make_finetune_router(
         cpu_limit_s: the per-request CPU limit; a corpus upload's check, hashing and writing run
             in worker threads under it, all blocks together.
         quotas: the tenants' quotas on stored corpora and unfinished jobs.
+        lane: the app's lane for CPU-heavy work (a corpus's blocks take turns in it).
         vocabulary: loader of the ``/text`` vocabulary (default: :mod:`gaussdp.text.web`'s).
     """
     quotas = quotas or Quotas()
+    lane = lane or HeavyLane()
     import gaussdp.finetune  # noqa: F401  (imported now, not under a request's CPU limit)
 
     if model_paths:
@@ -279,10 +283,10 @@ def make_finetune_router(
                     pending.append(chunk)
                     held += len(chunk)
                     if held >= _BLOCK_BYTES:  # CPU work off the event loop, a block at a time
-                        await work.run(consume, b"".join(pending))
+                        await lane.run(work, consume, b"".join(pending))
                         pending, held = [], 0
-                await work.run(consume, b"".join(pending))
-                await work.run(checker.finish)
+                await lane.run(work, consume, b"".join(pending))
+                await lane.run(work, checker.finish)
                 fh.flush()
                 await anyio.to_thread.run_sync(os.fsync, fh.fileno())
             os.replace(part, final)
