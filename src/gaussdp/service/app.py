@@ -280,6 +280,7 @@ def create_app(
         )
 
     errors.install(app, refused)
+    errors.document(app)
 
     @app.get("/healthz", tags=["meta"])
     def healthz() -> dict[str, str]:
@@ -291,7 +292,7 @@ def create_app(
         tags=["meta"],
         responses={
             200: {"description": "Ready.", "model": ReadyOut},
-            503: {"description": "The ledger's database cannot be reached.", "model": ReadyOut},
+            503: {**error_responses(503)[503], "model": ReadyOut},  # the table's row, this body
         },
     )
     def readyz() -> JSONResponse:
@@ -302,7 +303,11 @@ def create_app(
                 ping()
         except StoreUnavailable as exc:
             logger.warning("readiness: %s", exc)
-            return JSONResponse({"status": "unavailable", "error": "database_unavailable"}, status_code=503)
+            return JSONResponse(
+                {"status": "unavailable", "error": "database_unavailable"},
+                status_code=503,
+                headers={"Retry-After": "1"},
+            )
         return JSONResponse({"status": "ok"})
 
     @app.post(
@@ -829,8 +834,10 @@ def _include_optional_routers(app: FastAPI, dependencies: list[Any]) -> None:
         return
     # The page, its scripts, the vocabulary and the guarantee are public (a browser opening a page
     # sends no key); submitting text needs the key the user types into the page.
-    errors = error_responses(401, 403, 429) if dependencies else {}
-    app.include_router(make_router(submit_dependencies=dependencies, submit_responses=errors))
+    refusals = (
+        error_responses(400, 401, 403, 413, 422, 429) if dependencies else error_responses(400, 413, 422)
+    )
+    app.include_router(make_router(submit_dependencies=dependencies, submit_responses=refusals))
 
 
 def _version() -> str:

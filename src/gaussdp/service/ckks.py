@@ -33,11 +33,13 @@ and noise (it cannot even see the rows); the charge records the client's declare
 the session's budget is enforced. Encryption keeps the noised rows and the delta from the server;
 the privacy of the rows against whoever holds the key comes from the noise.
 
-**Memory and cost.** A loaded context holds its rotation keys unseeded: 1.5 MiB per key
+**Memory and cost.** A loaded context holds its rotation keys unseeded: 1.5 MiB of data per key
 (:data:`GALOIS_KEY_BYTES`: 3 decomposition parts x 2 polynomials x 4 primes x 8192 coefficients x 8
-bytes) and about 1 MiB besides (:func:`context_memory_bytes`; the SEAL context of the fixed
-parameters is shared). Measured (RSS growth per context, ``tests/service/test_service_ckks.py``):
-13.8 MiB at rank 32 (9 keys), 18.6 MiB with the 12 keys of every rank, at most 37 MiB (24 keys).
+bytes), 1.7 MiB of RSS measured; the SEAL context of the fixed parameters is shared. Measured RSS
+growth per context (``tests/service/test_service_ckks.py``): 15.2 MiB at rank 32 (9 keys), 18.7 MiB
+at rank 4 (11 keys), 20.4 MiB with the 12 keys of every rank; each is counted for 1.75 MiB a key
+and 0.5 MiB besides (:func:`context_memory_bytes`: 16.3, 19.8 and 21.5 MiB; at most 42.5 MiB, 24
+keys).
 Loading one costs 0.05 to 0.12 s of CPU, key by key (SEAL calls of about 7 ms, each holding the
 GIL): loads run in a worker thread under the request's CPU limit, in the app's lane for CPU-heavy
 work (one piece at a time per worker) and one at a time per tenant, so that the event loop waits
@@ -96,10 +98,13 @@ __all__ = [
 ]
 
 MAX_CONTEXT_BYTES = 16 * 1024 * 1024
-#: Memory of one loaded rotation key: 3 decomposition parts (the data primes) x 2 polynomials x 4
+#: The data of one loaded rotation key: 3 decomposition parts (the data primes) x 2 polynomials x 4
 #: primes x 8192 coefficients x 8 bytes (SEAL keeps keys unseeded and uncompressed in memory).
 GALOIS_KEY_BYTES = 3 * 2 * 4 * 8192 * 8
-_CONTEXT_OVERHEAD_BYTES = 1 << 20  # measured 0.1-0.6 MiB per context beyond its keys: rounded up
+# What one loaded key adds to the process's RSS, measured (1.69-1.71 MiB for contexts of 6 to 12
+# keys, tests/service/test_service_ckks.py), rounded up; and a context's own objects besides.
+_KEY_MEMORY_BYTES = 1792 << 10  # 1.75 MiB
+_CONTEXT_OVERHEAD_BYTES = 512 << 10
 CONTEXT_IDLE_S = 3600.0  # a context unused this long is dropped (its tenant uploads it again)
 MAX_ROWS = 4
 CONTEXT_PATH_PATTERN = r"/v1/sessions/[^/]+/ckks-context"
@@ -160,9 +165,10 @@ class CKKSLoraDeltaOut(BaseModel):
 
 
 def context_memory_bytes(ctx: Any) -> int:
-    """The bytes a loaded context is counted for: its rotation keys (:data:`GALOIS_KEY_BYTES`
-    each) and 1 MiB besides, an upper bound of the RSS growth measured per context."""
-    return int(ctx.galois_keys.size()) * GALOIS_KEY_BYTES + _CONTEXT_OVERHEAD_BYTES
+    """The bytes a loaded context is counted for: 1.75 MiB per rotation key (its data,
+    :data:`GALOIS_KEY_BYTES`, and SEAL's allocations around it) and 0.5 MiB besides, an upper bound
+    of the RSS growth measured per context."""
+    return int(ctx.galois_keys.size()) * _KEY_MEMORY_BYTES + _CONTEXT_OVERHEAD_BYTES
 
 
 class ContextMemory:
@@ -205,7 +211,7 @@ class ContextMemory:
 
     def room(self, tenant: str) -> None:
         """Refuse an upload before it is read when not even the smallest context could be kept."""
-        smallest = GALOIS_KEY_BYTES + _CONTEXT_OVERHEAD_BYTES
+        smallest = _KEY_MEMORY_BYTES + _CONTEXT_OVERHEAD_BYTES
         if self.tenant_bytes < smallest:
             raise Refusal(
                 "quota_exceeded",

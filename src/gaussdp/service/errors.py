@@ -32,6 +32,7 @@ __all__ = [
     "Refusal",
     "close_code",
     "code_of",
+    "document",
     "install",
     "responses",
     "status_of",
@@ -209,7 +210,7 @@ def install(app: Any, on_refused: Callable[[str], None]) -> None:
     status, ``Retry-After`` and ``WWW-Authenticate`` of the code's row; ``on_refused(code)`` counts it."""
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
-    from fastapi.routing import APIRoute
+    from starlette.routing import Match
 
     def answer(
         code: str, detail: Any, headers: dict[str, str] | None = None, error: str | None = None
@@ -252,12 +253,9 @@ def install(app: Any, on_refused: Callable[[str], None]) -> None:
         headers = dict(exc.headers or {})
         if exc.status_code == 405:  # Allow lists every method of the path (routes are per method)
             allowed = sorted(
-                {
-                    m
-                    for r in app.routes
-                    if isinstance(r, APIRoute) and r.path_regex.match(request.url.path)
-                    for m in (r.methods or ())
-                }
+                m
+                for m in _METHODS
+                if any(r.matches({**request.scope, "method": m})[0] == Match.FULL for r in app.routes)
             )
             headers["Allow"] = ", ".join(allowed)
             return JSONResponse({"detail": exc.detail}, status_code=405, headers=headers)
@@ -271,6 +269,7 @@ def install(app: Any, on_refused: Callable[[str], None]) -> None:
     app.add_exception_handler(StarletteHTTPException, http)
 
 
+_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 _RETRY_AFTER = {
     "Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}
 }
@@ -308,3 +307,29 @@ def websocket_close_codes(codes: Iterable[str] | None = None) -> dict[str, dict[
         entry["errors"].append(row.code)
         entry["description"] = "; ".join(filter(None, [entry["description"], f"{row.code}: {row.summary}"]))
     return out
+
+
+def document(app: Any) -> None:
+    """Make ``app``'s OpenAPI entries of 422 come from the table too: FastAPI adds its own 422
+    ("Validation Error") to every route with parameters; it is replaced by the table's row (the
+    handler answers :class:`~gaussdp.service.models.InvalidOut`, which the row documents)."""
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = original()
+        if "InvalidOut" not in schema.get("components", {}).get("schemas", {}):
+            return schema
+        row = {
+            "description": responses(422)[422]["description"],
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/InvalidOut"}}},
+        }
+        for methods in schema.get("paths", {}).values():
+            for op in methods.values():
+                entry = op.get("responses", {}).get("422")
+                if entry is not None and entry.get("description") == "Validation Error":
+                    op["responses"]["422"] = row
+        return schema
+
+    app.openapi = openapi
