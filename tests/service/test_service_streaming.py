@@ -172,8 +172,12 @@ def test_stream_refusals_name_the_problem_and_charge_nothing(served_lm) -> None:
         "max_new_tokens": 3,
         "stop_at_eos": False,
     }
+    # no key: the upgrade is refused with 401 (the WebSocket never opens, nothing sent is read)
+    with pytest.raises(websockets.exceptions.InvalidStatus) as denied:
+        connect(url).__enter__()
+    assert denied.value.response.status_code == 401
+    assert json.loads(denied.value.response.body)["error"] == "unauthorized"
     cases = [
-        ({}, start, "unauthorized", 4401),  # no key
         (served_lm.headers, {**start, "model": "nope"}, "invalid", 4422),
         (served_lm.headers, {**start, "max_new_tokens": 10_000}, "invalid", 4422),
         (served_lm.headers, {**start, "sigma": 1.0}, "invalid", 4422),  # two noise levels
@@ -185,8 +189,7 @@ def test_stream_refusals_name_the_problem_and_charge_nothing(served_lm) -> None:
     ]
     for headers, body, code, close in cases:
         with connect(url, additional_headers=headers) as ws:
-            if headers:  # without a key the server refuses before reading any message
-                ws.send(json.dumps(body))
+            ws.send(json.dumps(body))
             m = json.loads(ws.recv(timeout=30))
             assert m["type"] == "error" and m["error"] == code, (body, m)
             with pytest.raises(websockets.exceptions.ConnectionClosed):

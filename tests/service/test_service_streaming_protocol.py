@@ -5,6 +5,7 @@ upgrade request only, revocation, fair shares between tenants."""
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 
 import pytest
@@ -48,6 +49,15 @@ def _stream(client, service, sid, start, key=None):  # type: ignore[no-untyped-d
         yield ws
 
 
+def _denied(client, url, **kw):  # type: ignore[no-untyped-def]
+    """The HTTP answer to an upgrade the server refused (the WebSocket never opened)."""
+    from starlette.testclient import WebSocketDenialResponse
+
+    with pytest.raises(WebSocketDenialResponse) as exc, client.websocket_connect(url, **kw):
+        pass
+    return exc.value
+
+
 def _closed_with(ws) -> int:  # type: ignore[no-untyped-def]
     with pytest.raises(WebSocketDisconnect) as exc:
         ws.receive_json()
@@ -75,8 +85,10 @@ def test_protocol_edges(service, monkeypatch) -> None:  # type: ignore[no-untype
         r = client.post(f"/v1/sessions/{sid}/generate", json=START, headers=service.headers(service.key_a))
         assert r.status_code == 429 and r.headers["Retry-After"] == "1"
         assert r.json()["error"] == "too_many_generations"
-        with _stream(client, service, sid, START) as ws:
-            assert ws.receive_json()["error"] == "too_many_generations" and _closed_with(ws) == 4429
+        # the upgrade itself is refused: the WebSocket never opens
+        denied = _denied(client, f"/v1/sessions/{sid}/generate", headers=service.headers(service.key_a))
+        assert denied.status_code == 429 and denied.headers["Retry-After"] == "1"
+        assert json.loads(denied.content)["error"] == "too_many_generations"
         assert _charges(client, service, sid) == 0
 
     with TestClient(_limited_app(service, stream_idle_s=0.3)) as client:
@@ -204,21 +216,22 @@ def test_keys_come_from_the_upgrade_request_only(service) -> None:  # type: igno
     with TestClient(_limited_app(service)) as client:
         sid = _session(client, service)
         url = f"/v1/sessions/{sid}/generate"
-        # no key: refused (4401) without reading the start message, even one that carries a key
-        with client.websocket_connect(url) as ws:
-            ws.send_json({**START, "api_key": service.key_a})
-            m = ws.receive_json()
-            assert m["error"] == "unauthorized" and _closed_with(ws) == 4401
+        # no key: the upgrade is refused (401): the WebSocket never opens, no message is read
+        denied = _denied(client, url)
+        assert denied.status_code == 401 and json.loads(denied.content)["error"] == "unauthorized"
+        assert denied.headers["WWW-Authenticate"] == "Bearer"
+        denied = _denied(client, url, headers={"Authorization": "Bearer gdp_nope"})
+        assert denied.status_code == 401
         # a browser's key: the subprotocol gaussdp.key.<key>, answered with gaussdp.v1
         with client.websocket_connect(url, subprotocols=["gaussdp.v1", f"gaussdp.key.{service.key_a}"]) as ws:
             assert ws.accepted_subprotocol == "gaussdp.v1"
             ws.send_json({**START, "max_new_tokens": 2})
             assert [ws.receive_json()["type"] for _ in range(4)] == ["start", "token", "token", "end"]
         # both ways at once: refused
-        with client.websocket_connect(
-            url, headers=service.headers(service.key_a), subprotocols=[f"gaussdp.key.{service.key_a}"]
-        ) as ws:
-            assert ws.receive_json()["error"] == "invalid" and _closed_with(ws) == 4422
+        denied = _denied(
+            client, url, headers=service.headers(service.key_a), subprotocols=[f"gaussdp.key.{service.key_a}"]
+        )
+        assert denied.status_code == 422 and json.loads(denied.content)["error"] == "invalid"
         # a key in the start message is not a field: refused as invalid
         with _stream(client, service, sid, {**START, "api_key": service.key_a}) as ws:
             assert ws.receive_json()["error"] == "invalid" and _closed_with(ws) == 4422
@@ -262,9 +275,8 @@ def test_fair_shares_per_tenant(service) -> None:  # type: ignore[no-untyped-def
             for ws in opened:
                 assert ws.receive_json()["type"] == "start"
             # B holds its whole share (at no privacy cost): its third stream is refused ...
-            with _stream(client, service, sid_b, START, key=service.key_b) as ws:
-                m = ws.receive_json()
-                assert m["error"] == "too_many_generations" and _closed_with(ws) == 4429
+            denied = _denied(client, f"/v1/sessions/{sid_b}/generate", headers=service.headers(service.key_b))
+            assert denied.status_code == 429 and json.loads(denied.content)["error"] == "too_many_generations"
             # ... and A's stream starts at once
             with _stream(client, service, sid_a, {**START, "max_new_tokens": 2}) as ws:
                 assert [ws.receive_json()["type"] for _ in range(4)] == ["start", "token", "token", "end"]

@@ -105,6 +105,7 @@ GALOIS_KEY_BYTES = 3 * 2 * 4 * 8192 * 8
 # keys, tests/service/test_service_ckks.py), rounded up; and a context's own objects besides.
 _KEY_MEMORY_BYTES = 1792 << 10  # 1.75 MiB
 _CONTEXT_OVERHEAD_BYTES = 512 << 10
+_KEY_PAUSE_S = 0.002
 CONTEXT_IDLE_S = 3600.0  # a context unused this long is dropped (its tenant uploads it again)
 MAX_ROWS = 4
 CONTEXT_PATH_PATTERN = r"/v1/sessions/[^/]+/ckks-context"
@@ -313,9 +314,13 @@ def ckks_router(
                 plans[name] = CKKSLoRAPlan(a, b, scaling)
             return plans[name]
 
+    def between_keys() -> None:
+        check_work_limit()
+        time.sleep(_KEY_PAUSE_S)  # the GIL to other threads (forward passes) between two SEAL calls
+
     def load(data: bytes) -> Any:
         # UnsafeInput -> 422 (the app's PrivacyError handler); the CPU limit is looked at between keys
-        ctx = CKKSPublicContext(data, between_keys=check_work_limit)
+        ctx = CKKSPublicContext(data, between_keys=between_keys)
         check_work_limit()
         return ctx
 

@@ -152,26 +152,42 @@ async def offload(cpu_limit_s: float, fn: Callable[..., T], *args: Any) -> T:
 
 class HeavyLane:
     """CPU-heavy request work (a corpus block's check, a CKKS context's loading), one piece at a
-    time per worker process, first come first served, each in a worker thread.
+    time per worker process, first come first served, each in a worker thread, busy at most
+    ``duty`` of the time.
 
     Python runs one thread at a time (the GIL): pieces in parallel threads would not finish sooner,
-    but every thread that wants the GIL makes the event loop wait longer for it. One at a time, the
-    loop waits for at most one piece's next switch (5 ms of Python, or one short C call). A long
-    upload goes back in the queue after each block, so that uploads interleave block by block.
+    but every thread that wants the GIL makes the event loop (and the forward passes of other
+    tenants' streams) wait longer for it. One at a time, they wait for at most one piece's next
+    switch (1 ms of Python in ``gaussdp serve``, or one short C call); after a piece of ``t``
+    seconds the lane rests ``t (1 / duty - 1)``, so that back-to-back uploads hold the GIL at most
+    ``duty`` of the time. A long upload goes back in the queue after each block, so that uploads
+    interleave block by block.
     """
 
-    def __init__(self) -> None:
-        self._locks: dict[int, asyncio.Lock] = {}  # per event loop (tests run several)
+    def __init__(self, duty: float = 0.5) -> None:
+        if not 0 < duty <= 1:
+            raise ValueError(f"duty must be in (0, 1], got duty={duty!r}")
+        self.duty = duty
+        self._state: dict[int, tuple[asyncio.Lock, list[float]]] = {}  # per event loop (tests run several)
 
-    def _lock(self) -> asyncio.Lock:
+    def _lane(self) -> tuple[asyncio.Lock, list[float]]:
         loop = id(asyncio.get_running_loop())
-        if loop not in self._locks:
-            self._locks = {loop: asyncio.Lock()}
-        return self._locks[loop]
+        if loop not in self._state:
+            self._state = {loop: (asyncio.Lock(), [0.0])}
+        return self._state[loop]
 
     async def run(self, budget: "CPUBudget", fn: Callable[..., T], *args: Any) -> T:
-        async with self._lock():
-            return await budget.run(fn, *args)
+        lock, free_at = self._lane()
+        async with lock:
+            rest = free_at[0] - time.monotonic()
+            if rest > 0:
+                await asyncio.sleep(rest)
+            t0 = time.monotonic()
+            try:
+                return await budget.run(fn, *args)
+            finally:
+                now = time.monotonic()
+                free_at[0] = now + (now - t0) * (1 / self.duty - 1)
 
 
 class CPUBudget:

@@ -25,8 +25,13 @@ Authentication comes from the upgrade request, before any message is read
 (:mod:`gaussdp.service.deps`): the ``Authorization: Bearer <API key>`` header (scope ``release``),
 or, for browsers (which cannot set headers on a WebSocket), the subprotocols
 ``["gaussdp.v1", "gaussdp.key.<API key>"]`` (the server selects ``gaussdp.v1``). Giving both is
-refused; a key in the URL or in a message is never read. Without a valid key the server sends the
-error and closes (4401) without reading a message.
+refused; a key in the URL or in a message is never read. The key, its scope and rate, and the
+tenant's share of generation slots are checked on the upgrade request: a refusal is the HTTP
+answer to it (401, 403, 422, 429 with ``Retry-After``; body ``{"detail", "error"}``) and the
+WebSocket never opens, so nothing the client sends is read. A 401 comes after
+:data:`UNAUTHORIZED_DELAY_S` (0.25 s): a loop of upgrades without a key costs the server a
+sleeping coroutine each, not a busy event loop. (Under an ASGI server without the
+WebSocket denial extension, the stream opens, sends the error and closes with its code.)
 
 1. Client -> server, within :data:`START_TIMEOUT_S`: the start message, a JSON object of at most
    :data:`~gaussdp.service.bounds.WS_MAX_MESSAGE_BYTES` bytes with the fields of
@@ -48,7 +53,9 @@ error and closes (4401) without reading a message.
    :data:`gaussdp.service.errors.ERRORS` (:data:`CLOSE_CODES`). On exhaustion: ``{"type": "error",
    "error": "budget_exhausted", "tokens_sent": k, "spent": {...}, "remaining": {...}}`` and close
    code :data:`CLOSE_BUDGET_EXHAUSTED` (4402). A key revoked (or expired) during the stream ends it
-   with ``unauthorized`` (4401) within 1 s, before any further charge.
+   with ``unauthorized`` (4401) within 1 s (within 0.5 s of the key cache, plus at most 0.25 s
+   between two looks while the stream waits for an ack, or the forward pass in flight), before any
+   further charge: ``tokens_sent`` equals the stream's charges.
 
 Flow control: the server computes (and charges) token ``i`` only when ``i < acked + window``, where
 ``acked`` is the client's latest ``ack`` (at most the tokens sent), and only while the client is
@@ -76,7 +83,7 @@ forward pass per token, the ledger's numeric work of each charge under the servi
 (the forward passes are bounded by the token caps and the model's size, not by it). Fair shares
 (:mod:`gaussdp.service.fairness`): a generation holds one of its tenant's ``max_streams_per_tenant``
 slots, under ``max_streams`` in all per worker, from authentication to its end, whatever its privacy
-cost (past either: 429 / close 4429 ``too_many_generations``). Forward passes run in the thread
+cost (past either: 429 ``too_many_generations``, the upgrade refused). Forward passes run in the thread
 pool, never on the event loop; passes of one model take turns tenant by tenant (a fair lock per
 model: the privatizer's hook is on the shared module for the duration of one pass), so streams of
 other tenants interleave token by token.
@@ -147,6 +154,7 @@ MAX_STREAM_S = 300.0
 #: Largest message a client may send once the stream has started (an ack or a stop).
 CONTROL_MAX_BYTES = 1024
 KEY_RECHECK_S = 0.25  # a waiting stream re-checks its key this often (the key cache adds 0.5 s)
+UNAUTHORIZED_DELAY_S = 0.25  # an upgrade without a valid key is refused after this
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
 
 _REFUSALS = (
@@ -440,22 +448,43 @@ def generation_router(
                 return None
             return start
 
-        async def run(self, session_id: str) -> None:
-            # 1. who: from the upgrade request alone, before any message is read
-            try:
-                key, subprotocol = websocket_key(self.ws.headers, list(self.ws.scope.get("subprotocols", [])))
-                who = await run_in_threadpool(gate.authenticate, key, "release")
-            except Refusal as exc:
-                await self.fail(exc)  # accepted without a subprotocol: the refusal is the only message
-                return
-            await self.accept(subprotocol)
-            # 2. the tenant's share: held from now on, whatever the stream costs
-            try:
-                slots.acquire(who.tenant)
-            except Refusal as exc:
+        async def deny(self, exc: Refusal) -> None:
+            """Refuse the upgrade itself with the refusal's HTTP status: the stream never opens, and
+            nothing the client sends is read (a server without the ASGI denial extension: the
+            error message and its close code instead)."""
+            if "websocket.http.response" not in self.ws.scope.get("extensions", {}):
                 await self.fail(exc)
                 return
+            code = code_of(exc)
+            on_refused(code)
+            self.gone = True
+            body = json.dumps({"detail": detail_of(exc), "error": code}).encode()
+            # the server frames the body itself (Content-Length, Content-Type): passing ours too
+            # would send each header twice (uvicorn's websockets-sansio adds its own)
+            headers = [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()]
+            await self.ws.send(
+                {"type": "websocket.http.response.start", "status": exc.status_code, "headers": headers}
+            )
+            await self.ws.send({"type": "websocket.http.response.body", "body": body})
+
+        async def run(self, session_id: str) -> None:
+            # 1. who, and 2. the tenant's share (held from now on, whatever the stream costs): from
+            # the upgrade request alone, refused before the WebSocket opens
+            try:
+                key, subprotocol = websocket_key(self.ws.headers, list(self.ws.scope.get("subprotocols", [])))
+                if key is None:  # no key: no database, no thread
+                    gate.authenticate(None)
+                who = await run_in_threadpool(gate.authenticate, key, "release")
+                slots.acquire(who.tenant)
+            except Refusal as exc:
+                if exc.code == "unauthorized":
+                    # a client without a valid key waits before its refusal: a loop of hostile
+                    # upgrades costs the server a sleeping coroutine, not a busy event loop
+                    await asyncio.sleep(UNAUTHORIZED_DELAY_S)
+                await self.deny(exc)
+                return
             self.slot = who.tenant
+            await self.accept(subprotocol)
             # 3. the start message: bounded in size, depth and time
             start = await self.start_message()
             if start is None:
