@@ -515,11 +515,12 @@ class GaussDPClient(FinetuneCalls):
                 break
             except InvalidStatus as exc:  # the upgrade refused (key, scope, rate, generation slots)
                 response = exc.response
+                refusal: Any
                 try:
-                    body = json.loads(response.body or b"")
+                    refusal = json.loads(response.body or b"")
                 except ValueError:
-                    body = (response.body or b"").decode(errors="replace")
-                err = error_for(response.status_code, body)
+                    refusal = (response.body or b"").decode(errors="replace")
+                err = error_for(response.status_code, refusal)
                 if not isinstance(err, ServiceUnavailable) or attempt == self.retries:
                     raise err from None
                 self._pause(attempt, response.headers.get("Retry-After"))
