@@ -98,3 +98,20 @@ def test_the_server_s_websocket_bounds() -> None:
 
     start = json.dumps({"model": "m" * 128, "prompt": "\u4e00" * MAX_PROMPT_CHARS, "max_new_tokens": 256})
     assert len(start) < WS_MAX_MESSAGE_BYTES
+
+
+def test_raw_bodies_are_not_scanned_as_json(service, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A corpus is text, whatever Content-Type a client sends: brackets in it are words."""
+    pytest.importorskip("gaussdp.finetune")
+    from fastapi.testclient import TestClient
+
+    from gaussdp.service.app import create_app
+
+    app = create_app(ledger=service.ledger, data_dir=str(tmp_path / "data"), model_paths={})
+    with TestClient(app) as client:
+        text = ("[" * 40 + " a line of text\n").encode()
+        for headers in ({}, {"Content-Type": "application/json"}):
+            r = client.post(
+                "/v1/corpora", content=text, headers={**service.headers(service.key_a), **headers}
+            )
+            assert r.status_code == 201, r.text

@@ -219,11 +219,14 @@ def create_app(
     )
     app.state.ledger = led
     path_limits = _ckks_body_limits(ckks)
+    raw_paths = [] if not ckks else [_ckks_context_path()]  # bodies that are not JSON
     if data_dir is not None:
         from gaussdp.service.finetune import CORPORA_PATH, MAX_CORPUS_BYTES
 
         path_limits[re.escape(CORPORA_PATH)] = MAX_CORPUS_BYTES  # corpora have their own limit
-    app.add_middleware(JSONDepthLimit)  # inside the size limit: a body's bytes are counted first
+        raw_paths.append(re.escape(CORPORA_PATH))
+    # inside the size limit: a body's bytes are counted first
+    app.add_middleware(JSONDepthLimit, raw_paths=raw_paths)
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes, path_limits=path_limits)
 
     def refused(reason: str) -> None:
@@ -683,6 +686,12 @@ def _ckks_body_limits(ckks: bool) -> dict[str, int]:
     from gaussdp.service.ckks import BODY_LIMITS
 
     return dict(BODY_LIMITS)
+
+
+def _ckks_context_path() -> str:
+    from gaussdp.service.ckks import CONTEXT_PATH_PATTERN
+
+    return CONTEXT_PATH_PATTERN
 
 
 def _sensitivity(clip_norm: float, neighbouring: str) -> float:

@@ -18,6 +18,8 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -160,15 +162,19 @@ class JSONDepthLimit:
     ``json_too_deep`` as soon as the scan passes the limit, before any of it is parsed.
 
     The body is scanned as it streams through (nothing is buffered here); the application's own
-    reading of the body is then interrupted with the refusal.
+    reading of the body is then interrupted with the refusal. ``raw_paths`` (regular expressions
+    matched against the whole path) are routes whose bodies are not JSON whatever their
+    ``Content-Type`` says (a corpus, a CKKS context): they are not scanned.
     """
 
-    def __init__(self, app: Any, limit: int = MAX_JSON_DEPTH) -> None:
+    def __init__(self, app: Any, limit: int = MAX_JSON_DEPTH, raw_paths: Sequence[str] = ()) -> None:
         self.app = app
         self.limit = int(limit)
+        self.raw_paths = [re.compile(rx) for rx in raw_paths]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not _parsed_as_json(scope):
+        raw = any(rx.fullmatch(scope.get("path", "")) for rx in self.raw_paths)
+        if scope["type"] != "http" or raw or not _parsed_as_json(scope):
             await self.app(scope, receive, send)
             return
         scanner = _DepthScanner(self.limit)
