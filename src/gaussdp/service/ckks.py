@@ -41,9 +41,10 @@ at rank 4 (11 keys), 20.4 MiB with the 12 keys of every rank; each is counted fo
 and 0.5 MiB besides (:func:`context_memory_bytes`: 16.3, 19.8 and 21.5 MiB; at most 42.5 MiB, 24
 keys).
 Loading one costs 0.05 to 0.12 s of CPU, key by key (SEAL calls of about 7 ms, each holding the
-GIL): loads run in a worker thread under the request's CPU limit, in the app's lane for CPU-heavy
-work (one piece at a time per worker) and one at a time per tenant, so that the event loop waits
-for one key's load at most. At most :data:`MAX_ROWS` rows a request: each row
+GIL, with 10 ms between two keys for the other threads: forward passes of other tenants' streams):
+loads run in a worker thread under the request's CPU limit, in the app's lane for CPU-heavy work
+(one piece at a time per worker, busy at most half the time) and one at a time per tenant, so that
+the event loop waits for one key's load at most. At most :data:`MAX_ROWS` rows a request: each row
 costs about 0.1 to 0.2 s of one core at hidden size 1536 and rank 32
 (``benchmarks/bench_inference.py``), so that a request stays near the service's 1 s of CPU. An
 adapter's diagonals are encoded once, at its first request.
@@ -105,7 +106,7 @@ GALOIS_KEY_BYTES = 3 * 2 * 4 * 8192 * 8
 # keys, tests/service/test_service_ckks.py), rounded up; and a context's own objects besides.
 _KEY_MEMORY_BYTES = 1792 << 10  # 1.75 MiB
 _CONTEXT_OVERHEAD_BYTES = 512 << 10
-_KEY_PAUSE_S = 0.002
+_KEY_PAUSE_S = 0.01  # between two keys' loads: bench_abuse's CKKS phase, p99 3.5x -> 1.4-1.8x idle
 CONTEXT_IDLE_S = 3600.0  # a context unused this long is dropped (its tenant uploads it again)
 MAX_ROWS = 4
 CONTEXT_PATH_PATTERN = r"/v1/sessions/[^/]+/ckks-context"
