@@ -96,6 +96,9 @@ class Server:
                 return int(line.split()[1]) * 1024
         return 0
 
+    def cpu_s(self) -> float:
+        return _cpu_s(self.proc.pid)
+
     def key(self, tenant: str) -> str:
         from gaussdp.budget import Ledger
         from gaussdp.service.keys import create_api_key
@@ -116,6 +119,15 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its finished children (/proc/PID/stat)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def _session(url: str, key: str, epsilon: float = 1000.0) -> str:
@@ -312,6 +324,11 @@ def run_phase(server: Server, name: str, phase_s: float, users: list[tuple[str, 
         attacker.start()
         time.sleep(2.0)  # the attack gets going
     rss_before = server.rss()
+    server_cpu0, attacker_cpu0, t0 = (
+        server.cpu_s(),
+        _cpu_s(attacker.pid) if attacker else 0.0,
+        time.monotonic(),
+    )
     results = [{"first": [], "tokens": 0, "refused": 0, "mismatch": 0, "errors": []} for _ in users]
     until = time.monotonic() + phase_s
     threads = [
@@ -324,6 +341,9 @@ def run_phase(server: Server, name: str, phase_s: float, users: list[tuple[str, 
     while any(t.is_alive() for t in threads):
         peak = max(peak, server.rss())
         time.sleep(0.1)
+    wall = time.monotonic() - t0
+    server_cpu = (server.cpu_s() - server_cpu0) / wall
+    attacker_cpu = (_cpu_s(attacker.pid) - attacker_cpu0) / wall if attacker else 0.0
     stop.set()
     if attacker is not None:
         attacker.join(timeout=60)
@@ -337,6 +357,8 @@ def run_phase(server: Server, name: str, phase_s: float, users: list[tuple[str, 
         "p99": first[min(len(first) - 1, int(0.99 * len(first)))] if first else float("nan"),
         "rss_before": rss_before,
         "rss_peak": peak,
+        "server_cpu": server_cpu,
+        "attacker_cpu": attacker_cpu,
         "tokens": sum(r["tokens"] for r in results),
         "refused": sum(r["refused"] for r in results),
         "mismatch": sum(r["mismatch"] for r in results),
@@ -376,17 +398,20 @@ def main() -> None:
         f"for {args.phase_s:g} s per phase; gaussdp serve, default limits, tiny GPT-2; {os.cpu_count()} CPUs",
         "",
         f"{'phase':<24}{'streams':>8}{'first token p50':>17}{'p99':>10}{'p99/idle':>10}"
-        f"{'RSS MiB (peak)':>17}{'refused':>9}",
+        f"{'RSS MiB (peak)':>17}{'server CPU':>12}{'attacker CPU':>14}",
     ]
     for r in rows:
         lines.append(
             f"{r['phase']:<24}{r['streams']:>8}{r['p50'] * 1e3:>14.1f} ms{r['p99'] * 1e3:>7.1f} ms"
             f"{r['p99'] / idle:>10.2f}{r['rss_before'] / MiB:>10.0f} ({r['rss_peak'] / MiB:.0f})"
-            f"{r['refused']:>9}"
+            f"{r['server_cpu']:>11.0%}{r['attacker_cpu']:>14.0%}"
         )
     lines += [
         "",
-        f"tokens received by the well-behaved clients: {tokens}; charged to their sessions: {charged} "
+        "CPU: share of one core over the phase (the attacker runs on the same machine: on 2 cores its",
+        "own sending competes with the server and the well-behaved clients).",
+        f"streams refused to the well-behaved tenants: {sum(r['refused'] for r in rows)}; tokens received "
+        f"by the well-behaved clients: {tokens}; charged to their sessions: {charged} "
         f"({'equal' if tokens == charged else 'NOT EQUAL'}); end messages disagreeing with the tokens "
         f"received: {sum(r['mismatch'] for r in rows)}; client errors: {sum(len(r['errors']) for r in rows)}",
     ]
