@@ -1,5 +1,6 @@
 """The FastAPI dependencies of the service's routes: who calls (the API key, its scope, its rate),
-and bounded work (the per-request CPU limit, in a worker thread, off the event loop).
+and bounded work (the per-request CPU limit, in a worker thread, off the event loop: :func:`bounded`
+for sync routes, :class:`CPUBudget` and :class:`HeavyLane` for the CPU-heavy work of async ones).
 
 :class:`Gate` authenticates HTTP requests (``Authorization: Bearer``) and WebSocket streams, whose
 key comes from the upgrade request only, before any message is read: the ``Authorization``
@@ -35,7 +36,6 @@ __all__ = [
     "Gate",
     "HeavyLane",
     "bounded",
-    "offload",
     "websocket_key",
 ]
 
@@ -137,17 +137,6 @@ def bounded(cpu_limit_s: float) -> Callable[[Callable[..., T]], Callable[..., T]
         return limited
 
     return wrap
-
-
-async def offload(cpu_limit_s: float, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a worker thread under the per-request CPU limit: CPU-heavy work of an async
-    route (a corpus chunk's check, loading a CKKS context), never on the event loop."""
-
-    def run() -> T:
-        with cpu_limit(cpu_limit_s):
-            return fn(*args)
-
-    return await anyio.to_thread.run_sync(run)
 
 
 class HeavyLane:

@@ -3,15 +3,17 @@ exception handlers and the OpenAPI entries all come, so that they cannot drift a
 
 Each row of :data:`ERRORS` is a stable ``error`` code (what programs match on), the HTTP status a
 route answers with it, the close code a WebSocket stream ends with (4000 + the status, except
-``budget_exhausted``: 4402, "payment required"), whether the answer carries ``Retry-After``, and
-what it means. Every error body is ``{"detail": ..., "error": CODE}`` (422 for invalid fields:
-``{"detail": [issues]}``); every WebSocket refusal is the message ``{"type": "error", "error": CODE,
-"detail": ..., "tokens_sent": n}`` followed by the close code of that row.
+``budget_exhausted``: 4402, "payment required", and ``internal``: 1011), whether the answer carries
+``Retry-After``, and what it means. Every error body is ``{"detail": ..., "error": CODE}`` (422 for
+invalid fields: ``{"detail": [issues]}``). A refused WebSocket upgrade is answered the same way, over
+HTTP; an open stream that ends with an error sends ``{"type": "error", "error": CODE, "detail": ...,
+"tokens_sent": n}`` and closes with the close code of that row.
 
 Raise :class:`Refusal` (``Refusal("quota_exceeded", "...")``) in routes; the library's exceptions
 (:class:`~gaussdp.budget.BudgetExhausted`, ...) are mapped by :func:`code_of`. :func:`install`
-registers the handlers on an app, :func:`responses` gives a route's OpenAPI entries, and
-:func:`close_code` a stream's close code.
+registers the handlers on an app, :func:`document` makes its OpenAPI 422 entries the table's,
+:func:`responses` gives a route's OpenAPI entries, :func:`close_code` a stream's close code and
+:func:`websocket_close_codes` the close codes of the OpenAPI document.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ __all__ = [
     "Refusal",
     "close_code",
     "code_of",
+    "detail_of",
     "document",
     "install",
     "responses",
-    "status_of",
     "websocket_close_codes",
 ]
 
@@ -191,16 +193,13 @@ def code_of(exc: BaseException) -> str:
     return "internal"
 
 
-def status_of(code: str) -> int:
-    return ERRORS[code].status
-
-
 def close_code(code: str) -> int:
     """The WebSocket close code of ``code``."""
     return ERRORS[code].close
 
 
 def detail_of(exc: BaseException) -> str:
+    """What a refusal says, for people (an HTTP exception's ``detail``, else the message)."""
     detail = exc.detail if isinstance(exc, StarletteHTTPException) else str(exc)
     return str(detail)
 
