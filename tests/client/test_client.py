@@ -182,6 +182,12 @@ def test_stream_generate_charges_exactly_the_tokens_consumed(served_lm) -> None:
         assert exc.value.spent is not None and exc.value.spent["epsilon"] <= 3.0
         with pytest.raises(InvalidRequest):
             c.stream_generate(sid, model="nope", prompt="the", noise_multiplier=8.0)
+    # a refused upgrade (the key) is the service's refusal, not a connection failure, and not retried
+    with GaussDPClient(served_lm.url, "gdp_0000000000000000_" + "x" * 43) as bad:
+        with pytest.raises(Unauthorized) as denied:
+            bad.stream_generate(sid, model="tiny", prompt="the", noise_multiplier=8.0)
+        assert denied.value.status == 401 and denied.value.error == "unauthorized"
+    with GaussDPClient(served_lm.url, served_lm.key) as c:
         g = c.generate(
             c.create_session(epsilon=50.0, delta=1e-5).session_id,
             model="tiny", prompt="the", max_new_tokens=3, noise_multiplier=8.0, stop_at_eos=False,

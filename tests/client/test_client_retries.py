@@ -109,3 +109,27 @@ def test_calls_that_cannot_be_repeated_safely_are_not() -> None:
 def _session(sid: str) -> dict:  # type: ignore[type-arg]
     p = {"epsilon": 1.0, "delta": 1e-5}
     return {"session_id": sid, "accountant": "pld", "budget": p, "spent": p, "remaining": p, "charges": 0}
+
+
+def test_a_tenant_limit_is_not_retried_a_busy_server_is() -> None:
+    from gaussdp.client import LimitExceeded
+
+    seen: list = []  # type: ignore[type-arg]
+    c = _client(
+        [
+            httpx.Response(429, json={"detail": "cap", "error": "tenant_limit_exceeded"}),
+            httpx.Response(429, json={"detail": "quota", "error": "quota_exceeded"}),
+            httpx.Response(
+                429, json={"detail": "slots", "error": "too_many_generations"}, headers={"Retry-After": "0"}
+            ),
+            httpx.Response(200, json=_RELEASED),
+        ],
+        seen,
+    )
+    with pytest.raises(LimitExceeded, match="cap") as exc:  # waiting would not lift a cap: no retry
+        c.create_session(epsilon=1.0, delta=1e-5)
+    assert exc.value.status == 429 and len(seen) == 1
+    with pytest.raises(LimitExceeded, match="quota"):
+        c.create_session(epsilon=1.0, delta=1e-5)
+    assert c.release("s", [1.0], sigma=2.0).charge_id == 7  # too_many_generations: retried
+    assert len(seen) == 4

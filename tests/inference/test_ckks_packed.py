@@ -117,8 +117,8 @@ def test_public_context_has_no_secret_key_and_the_server_cannot_decrypt(client) 
         assert not server.is_private()
         held = [v for v in vars(server).values() if isinstance(v, s.SecretKey)]
         assert not held, held
-        # the public context's two parts are parameters and Galois keys; neither loads as a key
-        _, parts = wire.unframe("public context", wire.CTX_MAGIC, 0, pub, 2)
+        # the public context's parts are parameters and Galois keys; none loads as a secret key
+        _, parts = wire.unframe("public context", wire.CTX_MAGIC, 0, pub, 25)
         for part in parts:
             try:
                 wire.load(s.SecretKey(), part, server.seal_context, max_bytes=1 << 30)
@@ -208,12 +208,38 @@ def test_a_context_with_other_parameters_is_refused(client) -> None:  # type: ig
         parms = s.EncryptionParameters(s.SCHEME_TYPE.CKKS)
         parms.set_poly_modulus_degree(n)
         parms.set_coeff_modulus(s.CoeffModulus.Create(n, bits))
-        _, parts = wire.unframe("public context", wire.CTX_MAGIC, 0, client.public_context(), 2)
-        forged = wire.frame(wire.CTX_MAGIC, (), [wire.save(parms), parts[1]])
+        _, parts = wire.unframe("public context", wire.CTX_MAGIC, 0, client.public_context(), 25)
+        forged = wire.frame(wire.CTX_MAGIC, (), [wire.save(parms), *parts[1:]])
         with pytest.raises(UnsafeInput, match="parameters other than"):
             CKKSPublicContext(forged)
     with pytest.raises(UnsafeInput, match="bad magic"):
         CKKSPublicContext(b"\x00" * 100)
+
+
+def test_rotation_keys_come_one_per_part(client) -> None:  # type: ignore[no-untyped-def]
+    """Each part holds one key (the server loads them one at a time: short SEAL calls); the older
+    format (every key in one part, one long call) is refused, as are repeated or merged keys."""
+    import tenseal.sealapi as s
+
+    from gaussdp.inference import _ckks_wire as wire
+    from gaussdp.inference.ckks import _galois_elt, _shared_seal_context
+
+    _, parts = wire.unframe("public context", wire.CTX_MAGIC, 0, client.public_context(), 25)
+    loaded = CKKSPublicContext(client.public_context())
+    assert loaded.galois_keys.size() == len(parts) - 1 == len(client.rotation_steps)
+    assert all(loaded.has_rotation(k) for k in client.rotation_steps)
+    keygen = s.KeyGenerator(_shared_seal_context())
+    merged = wire.save(keygen.create_galois_keys([_galois_elt(1), _galois_elt(2)]))
+    odd = wire.save(keygen.create_galois_keys([_galois_elt(3)]))  # not a power-of-two step
+    for forged, match in [
+        (wire.frame(wire.OLD_CTX_MAGIC, (), [parts[0], merged]), "older gaussdp"),
+        (wire.frame(wire.CTX_MAGIC, (), [parts[0], merged]), "would decompress to up to"),
+        (wire.frame(wire.CTX_MAGIC, (), [parts[0], odd]), "one rotation key of a power-of-two step"),
+        (wire.frame(wire.CTX_MAGIC, (), [parts[0], parts[1], parts[1]]), "sent twice"),
+        (wire.frame(wire.CTX_MAGIC, (), [parts[0]]), "parameters and rotation keys"),
+    ]:
+        with pytest.raises(UnsafeInput, match=match):
+            CKKSPublicContext(forged)
 
 
 def test_a_ciphertext_at_another_scale_or_level_is_refused(client, public) -> None:  # type: ignore[no-untyped-def]
@@ -252,12 +278,12 @@ def test_a_decompression_bomb_is_refused_before_seal_inflates_it(client) -> None
     frame = struct.pack("<I", 0xFD2FB528) + bytes([0b0010_0000, 0]) + blocks  # single segment, RLE blocks
     bomb = struct.pack("<HBBBBHQ", 0xA15E, 16, 4, 1, 2, 0, 16 + len(frame)) + frame
     assert len(bomb) < 1000
-    _, parts = wire.unframe("public context", wire.CTX_MAGIC, 0, client.public_context(), 2)
+    _, parts = wire.unframe("public context", wire.CTX_MAGIC, 0, client.public_context(), 25)
     forged = wire.frame(wire.CTX_MAGIC, (), [parts[0], bomb])
     with pytest.raises(UnsafeInput, match="would decompress to up to"):
         CKKSPublicContext(forged)
-    # the bound of the real keys is close to their real size (zstd blocks of 128 KiB)
-    assert wire.inflated_bound("keys", parts[1]) < wire.MAX_KEYS_BYTES
+    # the bound of a real key is close to its real size (zstd blocks of 128 KiB)
+    assert wire.inflated_bound("keys", parts[1]) < wire.MAX_KEY_BYTES
     zlib_like = bytearray(parts[1])
     zlib_like[5] = 1  # compression mode zlib: no block sizes to bound it, refused
     with pytest.raises(UnsafeInput, match="compression mode 1"):

@@ -255,3 +255,75 @@ def test_over_http_against_gaussdp_serve(served_lm) -> None:  # type: ignore[no-
     for answer in answers:
         assert np.linalg.norm(answer.delta - ref) / np.linalg.norm(ref) <= 1e-4
     np.testing.assert_allclose(plain, ref, rtol=1e-4, atol=1e-5)
+
+
+# --- memory: per-tenant and per-worker budgets in bytes (issue 29) -------------------------------
+
+
+class _Ctx:
+    def __init__(self, context_id: str) -> None:
+        self.context_id = context_id
+
+
+def test_a_tenant_s_contexts_evict_only_its_own() -> None:
+    from gaussdp.service.ckks import ContextMemory
+    from gaussdp.service.errors import Refusal
+
+    mib = 1 << 20
+    memory = ContextMemory(total_bytes=100 * mib, tenant_bytes=40 * mib)
+    memory.put("a", "a/s1", _Ctx("a1"), 20 * mib)
+    for i in range(10):  # b fills its own budget over and over: only its oldest go
+        memory.put("b", f"b/s{i}", _Ctx(f"b{i}"), 15 * mib)
+    assert memory.get("a", "a/s1", "a1") is not None
+    assert memory.used("b") == 30 * mib and memory.get("b", "b/s9", "b9") is not None
+    assert memory.get("b", "b/s0", "b0") is None
+    memory.put("c", "c/s1", _Ctx("c1"), 40 * mib)
+    with pytest.raises(Refusal) as exc:  # 20 + 30 + 40 + 15 > 100: d is refused, nobody evicted
+        memory.put("d", "d/s1", _Ctx("d1"), 15 * mib)
+    assert exc.value.code == "capacity_exceeded" and exc.value.headers["Retry-After"] == "60"
+    assert memory.used() == 90 * mib and memory.get("a", "a/s1", "a1") is not None
+    with pytest.raises(Refusal) as exc:  # larger than a tenant's whole budget
+        memory.put("a", "a/s2", _Ctx("a2"), 41 * mib)
+    assert exc.value.code == "quota_exceeded"
+    # a new upload for a session replaces its context; another id for it is unknown
+    memory.put("a", "a/s1", _Ctx("a1b"), 25 * mib)
+    assert memory.get("a", "a/s1", "a1") is None and memory.used("a") == 25 * mib
+    # b's new context evicts b's own least recently used one (s8), never a's or c's
+    assert memory.get("b", "b/s8", "b8") is not None  # s8 used now: s9 is the least recent
+    memory.put("b", "b/s10", _Ctx("b10"), 15 * mib)
+    assert memory.get("b", "b/s9", "b9") is None and memory.get("b", "b/s8", "b8") is not None
+    assert memory.used("a") == 25 * mib and memory.used("c") == 40 * mib
+
+
+def test_a_loaded_context_is_counted_at_least_its_measured_memory(ckks_client) -> None:  # type: ignore[no-untyped-def]
+    """The bytes a context is counted for bound the RSS it adds (measured in a fresh process)."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import gc, json, os, sys
+        from gaussdp.inference.ckks import CKKSClient, CKKSPublicContext
+        from gaussdp.service.ckks import context_memory_bytes
+        def rss():
+            return int(open(f"/proc/{os.getpid()}/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        data = CKKSClient(rank=int(sys.argv[1])).public_context()
+        first = CKKSPublicContext(data)  # the shared SEAL context and the allocator, once
+        gc.collect()
+        before = rss()
+        held = [CKKSPublicContext(data) for _ in range(6)]
+        gc.collect()
+        print(json.dumps({"per_context": (rss() - before) / 6, "counted": context_memory_bytes(first),
+                          "keys": first.galois_keys.size()}))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, "4"], capture_output=True, text=True, timeout=300, check=True
+    )
+    m = json.loads(done.stdout)
+    mib = 1 << 20
+    measured, counted = m["per_context"] / mib, m["counted"] / mib
+    print(f"{m['keys']} keys: {measured:.1f} MiB each measured, {counted:.1f} counted")
+    assert m["per_context"] <= m["counted"] <= m["per_context"] + 2 * mib

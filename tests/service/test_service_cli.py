@@ -184,3 +184,27 @@ def test_serve_with_workers_tls_and_environment_configuration(tmp_path: Path) ->
     assert "with 2 worker(s)" in out, out
     with Ledger(db) as ledger:
         assert len(ledger.history("acme/s")) == 6
+
+
+def test_serve_refuses_limits_that_do_not_make_sense(tmp_path: Path) -> None:
+    """The limits against hostile clients are checked before the server listens (exit 2, named)."""
+    from typer.testing import CliRunner
+
+    from gaussdp.cli import build_app
+
+    db = f"sqlite:///{tmp_path / 'l.db'}"
+    saved = {k: v for k, v in os.environ.items() if k.startswith("GAUSSDP_")}
+    try:
+        for args, named in [
+            (["--max-stream-s", "-1"], "max_stream_s"),
+            (["--stream-idle-s", "0"], "stream_idle_s"),
+            (["--ckks-tenant-memory-bytes", str(1 << 40)], "ckks_tenant_memory_bytes"),
+        ]:
+            for name in [k for k in os.environ if k.startswith("GAUSSDP_")]:
+                del os.environ[name]  # serve hands its options to its workers in GAUSSDP_*
+            r = CliRunner().invoke(build_app(), ["serve", "--db", db, *args])
+            assert r.exit_code == 2 and named in r.output, (args, r.output)
+    finally:
+        for name in [k for k in os.environ if k.startswith("GAUSSDP_")]:
+            del os.environ[name]
+        os.environ.update(saved)

@@ -73,3 +73,21 @@ def test_a_non_vocabulary_word_is_refused_naming_its_line_never_echoing_it() -> 
     assert "secretword" not in info.value.detail.lower()
     with pytest.raises(HTTPException, match="line 2 is not valid UTF-8"):
         _check(b"the\n\xff\n", "lines", None, [])
+
+
+def test_jsonl_lines_are_bounded_in_depth_and_the_check_in_cpu() -> None:
+    from gaussdp._worklimit import cpu_limit
+    from gaussdp.errors import WorkLimitExceeded
+    from gaussdp.service.errors import Refusal
+
+    deep = b'{"text": "the"}\n' + b"[" * 100_000 + b"\n"  # Python's json would recurse past its limit
+    with pytest.raises(Refusal) as info:
+        _check(deep, "jsonl", None, [])
+    assert info.value.code == "json_too_deep" and "line 2" in info.value.detail
+    shallow_but_not_text = b'{"text": "the"}\n' + b"[" * 20 + b"]" * 20 + b"\n"
+    with pytest.raises(Refusal, match="line 2: a JSON object"):
+        _check(shallow_but_not_text, "jsonl", None, [])
+    # every slow loop looks at the request's CPU limit (here: a block of 30,000 lines to tokenize)
+    slow = "".join(f'{{"text": "the and Word{i}"}}\n' for i in range(30_000)).encode()
+    with cpu_limit(1e-4), pytest.raises(WorkLimitExceeded):
+        CorpusChecker("jsonl", WORDS | {f"word{i}" for i in range(30_000)}, WORDS).feed(slow)

@@ -124,3 +124,44 @@ def test_lists_are_bounded_to_the_newest_rows(store: JobStore) -> None:
     assert [j.id for j in store.jobs("t", 3)] == ["job_09", "job_10", "job_11"]
     assert [c.id for c in store.corpora("t", 3)] == ["corpus_09", "corpus_10", "corpus_11"]
     assert len(store.jobs("t")) == len(store.corpora("t")) == 12  # no limit: the store's own callers
+
+
+def test_quotas_hold_under_concurrent_inserts_and_store_nothing_past_them(store: JobStore) -> None:
+    from gaussdp.service.jobs import CorpusRow, QuotaExceeded
+
+    def corpus(i: int, size: int) -> CorpusRow:
+        return CorpusRow(f"corpus_{i}", "t", "c", "lines", size, 1, "0" * 64, None, f"/x/{i}", time.time())
+
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def add(i: int) -> None:
+        try:
+            store.add_corpus(corpus(i, 10), max_count=3, max_bytes=1000)
+            result = "stored"
+        except QuotaExceeded as exc:
+            result = str(exc)
+        with lock:
+            outcomes.append(result)
+
+    threads = [threading.Thread(target=add, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcomes.count("stored") == 3 and len(store.corpora("t")) == 3
+    assert all("max_corpora_per_tenant=3" in o for o in outcomes if o != "stored")
+    assert store.corpus_usage("t") == (3, 30)
+    with pytest.raises(QuotaExceeded, match="max_corpus_bytes_per_tenant=50"):
+        store.add_corpus(corpus(99, 25), max_count=10, max_bytes=50)
+    assert store.corpus_usage("t") == (3, 30) and store.corpus_usage("other") == (0, 0)
+    # unfinished jobs: charging, queued and running count; finished ones do not
+    store.add_job(_job("job_1", state="running"), max_active=2)
+    store.add_job(_job("job_2", state="charging"), max_active=2)
+    with pytest.raises(QuotaExceeded, match="max_jobs_per_tenant=2"):
+        store.add_job(_job("job_3"), max_active=2)
+    assert store.job("t", "job_3") is None
+    store.add_job(_job("job_done", state="succeeded"))
+    store.drop_uncharged("job_2")
+    store.add_job(_job("job_3"), max_active=2)
+    assert store.job("t", "job_3") is not None

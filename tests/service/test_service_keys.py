@@ -116,10 +116,14 @@ def test_tenant_caps_on_sessions_and_total_epsilon(service, client) -> None:  # 
     service.ledger.store.set_tenant_limits("tenant-a", 3, 5.0)
     assert _session(client, service.key_a, "s1", epsilon=3.0) == 201
     r = client.post("/v1/sessions", json={"epsilon": 1.5, "delta": 1e-5}, headers=_h(service.key_a))
-    assert r.status_code == 409 and r.json()["error"] == "tenant_limit_exceeded"  # 1 + 3 + 1.5 > 5
+    # a tenant limit answers 429, as the OpenAPI document says (one error table: issue 29)
+    assert r.status_code == 429 and r.json()["error"] == "tenant_limit_exceeded"  # 1 + 3 + 1.5 > 5
+    doc = client.get("/openapi.json").json()["paths"]["/v1/sessions"]["post"]["responses"]
+    assert "tenant_limit_exceeded" in doc["429"]["description"]
+    assert "tenant_limit_exceeded" not in doc["409"]["description"]
     assert _session(client, service.key_a, "s1", epsilon=3.0) == 201  # reopening counts nothing
     assert _session(client, service.key_a, "s2", epsilon=0.5) == 201
-    assert _session(client, service.key_a, "s3", epsilon=0.1) == 409  # a fourth session
+    assert _session(client, service.key_a, "s3", epsilon=0.1) == 429  # a fourth session
     assert _session(client, service.key_b, "s3", epsilon=100.0) == 201  # other tenants unaffected
     limits = service.ledger.store.get_tenant_limits("tenant-a")
     assert (limits.sessions, limits.epsilon_granted) == (3, 4.5)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -32,8 +31,8 @@ try:  # the fine-tuning routes (corpora, models, jobs) when their extras are ins
 except ImportError:
     _FINETUNE = {}
 APP = create_app(ledger=_LEDGER, max_body_bytes=256 * 1024, **_FINETUNE)
-# The ledger's own operations. Routers contributed by other topics (e.g. /text/...) are fuzzed by
-# their owners' tests; run this file with GAUSSDP_FUZZ_ALL=1 to include them.
+# The whole OpenAPI document: every route, including those other topics contribute (/text/...) and
+# the WebSocket stream's GET (its close codes are documented there; a plain GET answers 426).
 schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
 
 
@@ -42,18 +41,29 @@ def _ndjson(ctx, value):  # type: ignore[no-untyped-def]  # corpus uploads: a ra
     return value.encode("utf-8") if isinstance(value, str) else str(value).encode("utf-8")
 
 
-if not os.environ.get("GAUSSDP_FUZZ_ALL"):
-    schema = schema.include(path_regex=r"^/(v1/|healthz|readyz|metrics)")
-
-
 # Every check schemathesis has (its "--checks all"). One setting differs from its defaults: a request
 # the schema allows may still be refused with 422 for its values together (sigma/sensitivity outside
 # the float range, NaN in base64 floats, rows of unequal length, an adapter this server lacks), as
-# the OpenAPI documents for each route; every other status and every body is checked as it is.
+# the OpenAPI documents for each route, and the WebSocket route's GET answers a plain HTTP request
+# 426 (upgrade required), as documented; every other status and every body is checked as it is.
 schema.config.checks.positive_data_acceptance.expected_statuses = [
     *schema.config.checks.positive_data_acceptance.expected_statuses,
     "422",
+    "426",
 ]
+
+
+def test_the_websocket_route_and_its_close_codes_are_in_the_document() -> None:
+    from fastapi.testclient import TestClient
+
+    from gaussdp.service.errors import websocket_close_codes
+
+    with TestClient(APP) as client:
+        paths = client.get("/openapi.json").json()["paths"]
+    stream = paths["/v1/sessions/{session_id}/generate"]["get"]
+    assert stream["x-websocket-close-codes"] == websocket_close_codes()
+    assert {"101", "401", "426", "429"} <= set(stream["responses"])
+    assert any(p.startswith("/text") for p in paths)  # the whole document is fuzzed below
 
 
 def _negative(case, location: str) -> bool:  # type: ignore[no-untyped-def]

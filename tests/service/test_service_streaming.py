@@ -172,12 +172,16 @@ def test_stream_refusals_name_the_problem_and_charge_nothing(served_lm) -> None:
         "max_new_tokens": 3,
         "stop_at_eos": False,
     }
+    # no key: the upgrade is refused with 401 (the WebSocket never opens, nothing sent is read)
+    with pytest.raises(websockets.exceptions.InvalidStatus) as denied:
+        connect(url).__enter__()
+    assert denied.value.response.status_code == 401
+    assert json.loads(denied.value.response.body)["error"] == "unauthorized"
     cases = [
-        ({}, start, "unauthorized", 4401),  # no key
         (served_lm.headers, {**start, "model": "nope"}, "invalid", 4422),
         (served_lm.headers, {**start, "max_new_tokens": 10_000}, "invalid", 4422),
         (served_lm.headers, {**start, "sigma": 1.0}, "invalid", 4422),  # two noise levels
-        (served_lm.headers, {**start, "api_key": served_lm.key}, "invalid", 4422),  # two keys
+        (served_lm.headers, {**start, "api_key": served_lm.key}, "invalid", 4422),  # not a field
         (served_lm.headers, {**start, "layer": "transformer.nope"}, "invalid", 4422),
         # inside a block: the residual stream goes around it (the clean state would leak)
         (served_lm.headers, {**start, "layer": "transformer.h.1.attn"}, "invalid", 4422),
@@ -197,9 +201,10 @@ def test_stream_refusals_name_the_problem_and_charge_nothing(served_lm) -> None:
         ws.send(json.dumps(start))
         assert json.loads(ws.recv(timeout=30))["error"] == "not_found"
     assert _charges(served_lm, sid) == []
-    # a browser cannot set headers: the key may come in the start message
-    with connect(url) as ws:
-        ws.send(json.dumps({**start, "api_key": served_lm.key}))
+    # a browser cannot set headers: the key comes in the subprotocols, never in a message
+    with connect(url, subprotocols=["gaussdp.v1", f"gaussdp.key.{served_lm.key}"]) as ws:
+        assert ws.subprotocol == "gaussdp.v1"
+        ws.send(json.dumps(start))
         kinds = [json.loads(ws.recv(timeout=30))["type"] for _ in range(5)]
     assert kinds[0] == "start" and kinds[-1] == "end"
     assert len(_charges(served_lm, sid)) == kinds.count("token")

@@ -100,11 +100,56 @@ def serve(
         envvar="GAUSSDP_FINETUNE_LEASE_S",
         help="A running job without a worker heartbeat this long is marked failed (never re-run).",
     ),
+    max_streams: int = typer.Option(
+        32, envvar="GAUSSDP_MAX_STREAMS", min=0, help="Generations (streams or POSTs) at once, per worker."
+    ),
+    max_streams_per_tenant: int = typer.Option(
+        8,
+        envvar="GAUSSDP_MAX_STREAMS_PER_TENANT",
+        min=0,
+        help="A tenant's share of --max-streams, whatever its streams cost in privacy; past it 429.",
+    ),
+    max_stream_s: float = typer.Option(
+        300.0, envvar="GAUSSDP_MAX_STREAM_S", help="A stream ends (time_limit) after this many seconds."
+    ),
+    stream_idle_s: float = typer.Option(
+        60.0,
+        envvar="GAUSSDP_STREAM_IDLE_S",
+        help="A stream ends (idle) this long after its last token, whatever the client sends.",
+    ),
+    ckks_memory_bytes: int = typer.Option(
+        512 << 20,
+        envvar="GAUSSDP_CKKS_MEMORY_BYTES",
+        min=0,
+        help="Memory for loaded CKKS contexts per worker, all tenants (about 14-37 MiB each).",
+    ),
+    ckks_tenant_memory_bytes: int = typer.Option(
+        128 << 20,
+        envvar="GAUSSDP_CKKS_TENANT_MEMORY_BYTES",
+        min=0,
+        help="One tenant's share of --ckks-memory-bytes; its uploads evict only its own contexts.",
+    ),
+    max_corpora_per_tenant: int = typer.Option(
+        100, envvar="GAUSSDP_MAX_CORPORA_PER_TENANT", min=0, help="Corpora a tenant may store (429 past it)."
+    ),
+    max_corpus_bytes_per_tenant: int = typer.Option(
+        2_000_000_000,
+        envvar="GAUSSDP_MAX_CORPUS_BYTES_PER_TENANT",
+        min=0,
+        help="Bytes of a tenant's stored corpora together (429 past it).",
+    ),
+    max_jobs_per_tenant: int = typer.Option(
+        4,
+        envvar="GAUSSDP_MAX_JOBS_PER_TENANT",
+        min=0,
+        help="A tenant's fine-tuning jobs not yet finished (429 past it).",
+    ),
 ) -> None:
     """Run the gaussdp HTTP service (OpenAPI docs at /docs). Every option also reads GAUSSDP_*.
 
     Models and adapters are read once, at start-up, from local directories (by every worker); no
-    request can name a path.
+    request can name a path. WebSocket messages are at most 128 KiB, uncompressed; the limits per
+    tenant (generation slots, CKKS memory, stored corpora, jobs) answer 429 past them.
     """
     import os
 
@@ -126,6 +171,15 @@ def serve(
         "text": text,
         "metrics": metrics,
         "data_dir": None if data_dir is None else str(data_dir.resolve()),
+        "max_streams": max_streams,
+        "max_streams_per_tenant": max_streams_per_tenant,
+        "max_stream_s": max_stream_s,
+        "stream_idle_s": stream_idle_s,
+        "ckks_memory_bytes": ckks_memory_bytes,
+        "ckks_tenant_memory_bytes": ckks_tenant_memory_bytes,
+        "max_corpora_per_tenant": max_corpora_per_tenant,
+        "max_corpus_bytes_per_tenant": max_corpus_bytes_per_tenant,
+        "max_jobs_per_tenant": max_jobs_per_tenant,
     }
     shared_dir = None
     if rate_limit_per_s is not None:  # one bucket file per run, shared by this run's workers

@@ -493,9 +493,12 @@ class GaussDPClient(FinetuneCalls):
 
         Raises:
             BudgetExhausted: (while iterating) the budget ran out; the tokens before were charged.
-            ServiceError: the start was refused (unknown model, invalid arguments, key, session).
+            Unauthorized, Forbidden: the upgrade was refused for the key (HTTP 401, 403).
+            ServiceUnavailable: the upgrade was refused with 429 (rate limit, the tenant's share of
+                generation slots) on every attempt (retried after ``Retry-After``).
+            ServiceError: the start was refused (unknown model, invalid arguments, session).
         """
-        from websockets.exceptions import InvalidHandshake
+        from websockets.exceptions import InvalidHandshake, InvalidStatus
         from websockets.sync.client import connect
 
         body = _generate_body(model, prompt, prompt_ids, max_new_tokens, privacy)
@@ -510,6 +513,17 @@ class GaussDPClient(FinetuneCalls):
                     url, additional_headers=headers, open_timeout=self.timeout, close_timeout=2
                 ).__enter__()
                 break
+            except InvalidStatus as exc:  # the upgrade refused (key, scope, rate, generation slots)
+                response = exc.response
+                refusal: Any
+                try:
+                    refusal = json.loads(response.body or b"")
+                except ValueError:
+                    refusal = (response.body or b"").decode(errors="replace")
+                err = error_for(response.status_code, refusal)
+                if not isinstance(err, ServiceUnavailable) or attempt == self.retries:
+                    raise err from None
+                self._pause(attempt, response.headers.get("Retry-After"))
             except (OSError, InvalidHandshake, TimeoutError) as exc:
                 if attempt == self.retries:
                     raise ConnectionFailed(f"WebSocket {url}: {exc}") from exc

@@ -12,6 +12,7 @@ __all__ = [
     "Forbidden",
     "IdempotencyKeyUsed",
     "InvalidRequest",
+    "LimitExceeded",
     "NotFound",
     "ResponseLost",
     "ServiceError",
@@ -73,8 +74,15 @@ class ResponseLost(IdempotencyKeyUsed):
     second noisy answer would not be covered by that charge."""
 
 
+class LimitExceeded(ServiceError):
+    """429 ``tenant_limit_exceeded`` or ``quota_exceeded``: the tenant's caps (sessions, epsilon) or
+    quotas (stored corpora, jobs, CKKS context memory) are reached; not retried, since waiting does
+    not lift them (delete something, or ask the operator)."""
+
+
 class ServiceUnavailable(ServiceError):
-    """429, 503 or ``ledger_contention`` still answered after the retries; nothing was released."""
+    """429 (rate limit, generation slots, CKKS memory), 503 or ``ledger_contention`` still answered
+    after the retries; nothing was released."""
 
 
 class ConnectionFailed(ServiceError):
@@ -112,6 +120,8 @@ def error_for(status: int, body: Any, *, retried: bool = False) -> ServiceError:
         cls = NotFound
     elif status in (400, 413, 422):
         cls = InvalidRequest
+    elif code in ("tenant_limit_exceeded", "quota_exceeded"):
+        cls = LimitExceeded
     elif status in (429, 503) or code == "ledger_contention":
         cls = ServiceUnavailable
     else:

@@ -144,14 +144,27 @@ class TokenStream(Iterator[Token]):
         self.close()
 
 
+# The HTTP status of each error a stream can end with (the service's table, gaussdp.service.errors:
+# the client does not import the service; tests/client checks that the two agree).
+_STATUS = {
+    "unauthorized": 401,
+    "forbidden": 403,
+    "not_found": 404,
+    "timeout": 408,
+    "budget_exhausted": 409,
+    "idempotency_key_used": 409,
+    "ledger_contention": 409,
+    "too_large": 413,
+    "invalid": 422,
+    "json_too_deep": 422,
+    "work_limit_exceeded": 422,
+    "rate_limited": 429,
+    "too_many_generations": 429,
+    "database_unavailable": 503,
+    "internal": 500,
+    "generation_failed": 500,
+}
+
+
 def _status_of(code: Any) -> int:
-    return {
-        "unauthorized": 401,
-        "forbidden": 403,
-        "not_found": 404,
-        "rate_limited": 429,
-        "database_unavailable": 503,
-        "invalid": 422,
-        "work_limit_exceeded": 422,
-        "generation_failed": 500,
-    }.get(str(code), 409)
+    return _STATUS.get(str(code), 409)

@@ -15,7 +15,8 @@ from typing import Any
 
 from gaussdp.errors import UnsafeInput
 
-CTX_MAGIC = b"GDPCKKSCTX1\n"
+CTX_MAGIC = b"GDPCKKSCTX2\n"  # parameters, then one part per rotation key
+OLD_CTX_MAGIC = b"GDPCKKSCTX1\n"  # parameters and every rotation key in one part: refused
 CT_MAGIC = b"GDPCKKSCT1\n"
 
 
@@ -38,9 +39,10 @@ def save(obj: Any) -> bytes:
 _SEAL_MAGIC = 0xA15E
 _ZSTD_MAGIC = 0xFD2FB528
 _ZSTD_BLOCK_MAX = 128 * 1024  # a compressed zstd block regenerates at most this many bytes
-# Largest decompressed SEAL object accepted: the rotation keys (24 seeded keys: about 19 MB), a
-# ciphertext (fresh and unseeded: 2 x 3 x 8192 x 8 = 393 kB), the parameters (under 1 kB).
-MAX_KEYS_BYTES = 32 << 20
+# Largest decompressed SEAL object accepted: one rotation key (seeded: 3 x 4 x 8192 x 8 = 786 kB,
+# 1.5 MiB unseeded), a ciphertext (fresh and unseeded: 2 x 3 x 8192 x 8 = 393 kB), the parameters
+# (under 1 kB).
+MAX_KEY_BYTES = 2 << 20
 MAX_CIPHERTEXT_BYTES = 512 << 10
 MAX_PARMS_BYTES = 256 << 10  # one compressed zstd block may count 128 KiB
 

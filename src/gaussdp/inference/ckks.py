@@ -19,8 +19,11 @@ protect against a server that returns a wrong answer.
 **Keys.** :meth:`CKKSClient.public_context` serializes the encryption parameters and the Galois
 (rotation) keys only: no secret key (it stays in the client's process) and no public or
 relinearization key (the server never encrypts, and never multiplies two ciphertexts). The keys are
-serialized seeded (half their size) and compressed: 12 power-of-two rotation keys take about 8.7 MB;
-``CKKSClient(rank=r)`` makes only the 9 that an adapter of rank ``r`` needs (about 6.6 MB at r=32).
+serialized seeded (half their size) and compressed, each rotation key on its own (so that a server
+reads them one at a time: about 7 ms of SEAL work each, instead of one call of 50 to 120 ms that
+holds Python's GIL): 12 power-of-two rotation keys take about 8.7 MB; ``CKKSClient(rank=r)`` makes
+only the 9 that an adapter of rank ``r`` needs (about 6.6 MB at r=32). Loaded, each key takes
+1.5 MiB of memory (SEAL keeps it unseeded).
 
 **Packing** (one ciphertext of 4096 slots per row). The client encrypts the row ``h`` (zero-padded to
 a period ``P``, a multiple of 256) repeated cyclically over all slots. The server computes ``u = A h``
@@ -55,6 +58,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from typing import Any
@@ -66,8 +70,9 @@ from gaussdp.errors import InvalidParameter, UnsafeInput
 from gaussdp.inference._ckks_wire import CT_MAGIC as _CT_MAGIC
 from gaussdp.inference._ckks_wire import CTX_MAGIC as _CTX_MAGIC
 from gaussdp.inference._ckks_wire import MAX_CIPHERTEXT_BYTES as _MAX_CIPHERTEXT_BYTES
-from gaussdp.inference._ckks_wire import MAX_KEYS_BYTES as _MAX_KEYS_BYTES
+from gaussdp.inference._ckks_wire import MAX_KEY_BYTES as _MAX_KEY_BYTES
 from gaussdp.inference._ckks_wire import MAX_PARMS_BYTES as _MAX_PARMS_BYTES
+from gaussdp.inference._ckks_wire import OLD_CTX_MAGIC as _OLD_CTX_MAGIC
 from gaussdp.inference._ckks_wire import frame as _frame
 from gaussdp.inference._ckks_wire import load as _load
 from gaussdp.inference._ckks_wire import save as _save
@@ -109,6 +114,8 @@ MAX_HIDDEN = SLOTS - _BLOCK  # P + r_pad <= SLOTS for the shifted reads of the f
 MAX_ROWS = 64  # ciphertexts in one message (each about 177 kB in, 131 kB out)
 
 _MAX_GALOIS_KEYS = 2 * 12  # every power-of-two step in both directions, at most
+# every step a key may be for: the powers of two, both directions (SLOTS - k is a right rotation)
+_ALL_STEPS = tuple(sorted({1 << i for i in range(12)} | {SLOTS - (1 << i) for i in range(12)}))
 
 
 def _sealapi() -> Any:
@@ -132,6 +139,13 @@ def _seal_context(parms: Any = None) -> Any:
     if not ctx.parameters_set():
         raise InvalidParameter(f"CKKS parameters refused by SEAL: {ctx.parameters_error_message()}")
     return ctx
+
+
+@functools.lru_cache(maxsize=1)
+def _shared_seal_context() -> Any:
+    """One SEAL context of the fixed parameters for every loaded public context of this process
+    (it is read-only once built): about 6 MB of tables and 10 ms saved per context."""
+    return _seal_context()
 
 
 def _galois_elt(step: int) -> int:
@@ -207,8 +221,9 @@ class CKKSClient:
         self._encryptor = s.Encryptor(self._ctx, self._secret_key)
         self._decryptor = s.Decryptor(self._ctx, self._secret_key)
         self.rotation_steps = rotation_steps_for(rank)
-        galois = keygen.create_galois_keys([_galois_elt(k) for k in self.rotation_steps])
-        self._public = _frame(_CTX_MAGIC, (), [_save(_parms()), _save(galois)])
+        # one Galois key a part: the server loads them one by one (short SEAL calls)
+        keys = [_save(keygen.create_galois_keys([_galois_elt(k)])) for k in self.rotation_steps]
+        self._public = _frame(_CTX_MAGIC, (), [_save(_parms()), *keys])
         self.context_id = hashlib.sha256(self._public).hexdigest()
 
     def is_private(self) -> bool:
@@ -295,10 +310,15 @@ class CKKSPublicContext:
         UnsafeInput: malformed bytes, other parameters, or keys SEAL refuses.
     """
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, *, between_keys: Any = None) -> None:
         s = _sealapi()
-        _, parts = _unframe("public context", _CTX_MAGIC, 0, data, 2)
-        if len(parts) != 2:
+        if bytes(data[: len(_OLD_CTX_MAGIC)]) == _OLD_CTX_MAGIC:
+            raise UnsafeInput(
+                "public context: the format of an older gaussdp (all rotation keys in one part); make "
+                "it again with this version's CKKSClient"
+            )
+        _, parts = _unframe("public context", _CTX_MAGIC, 0, data, 1 + _MAX_GALOIS_KEYS)
+        if len(parts) < 2:
             raise UnsafeInput("public context: expected parameters and rotation keys")
         parms = s.EncryptionParameters(s.SCHEME_TYPE.CKKS)
         try:
@@ -316,18 +336,17 @@ class CKKSPublicContext:
                 f"(poly_modulus_degree={POLY_MODULUS_DEGREE}, "
                 f"coeff_mod_bit_sizes={list(COEFF_MOD_BIT_SIZES)})"
             )
-        self.seal_context = _seal_context(ours)
-        self.galois_keys = s.GaloisKeys()
-        try:
-            _load(
-                self.galois_keys, parts[1], self.seal_context, name="rotation keys", max_bytes=_MAX_KEYS_BYTES
-            )
-        except (RuntimeError, ValueError) as exc:
-            raise UnsafeInput(f"public context: rotation keys refused: {exc}") from None
-        if not 1 <= self.galois_keys.size() <= _MAX_GALOIS_KEYS:
-            raise UnsafeInput(
-                f"public context: {self.galois_keys.size()} rotation keys, at most {_MAX_GALOIS_KEYS}"
-            )
+        self.seal_context = _shared_seal_context()  # the parameters are ours (checked above)
+        self.galois_keys = RotationKeys()
+        for i, part in enumerate(parts[1:]):
+            if between_keys is not None:
+                between_keys()  # e.g. the service's CPU limit
+            key = s.GaloisKeys()
+            try:
+                _load(key, part, self.seal_context, name=f"rotation key {i}", max_bytes=_MAX_KEY_BYTES)
+            except (RuntimeError, ValueError) as exc:
+                raise UnsafeInput(f"public context: rotation key {i} refused: {exc}") from None
+            self.galois_keys.add(key, name=f"public context: rotation key {i}")
         self.context_id = hashlib.sha256(bytes(data)).hexdigest()
         self.nbytes = len(data)
 
@@ -336,7 +355,36 @@ class CKKSPublicContext:
         return False
 
     def has_rotation(self, step: int) -> bool:
-        return bool(self.galois_keys.has_key(_galois_elt(step)))
+        return self.galois_keys.has_key(_galois_elt(step))
+
+
+class RotationKeys:
+    """The Galois keys of a public context, one SEAL ``GaloisKeys`` per rotation step (as they are
+    sent and loaded: one at a time)."""
+
+    def __init__(self) -> None:
+        self._by_elt: dict[int, Any] = {}
+
+    def add(self, key: Any, *, name: str) -> None:
+        elts = [e for e in (_galois_elt(k) for k in _ALL_STEPS) if key.has_key(e)]
+        if key.size() != 1 or len(elts) != 1:
+            raise UnsafeInput(f"{name}: one rotation key of a power-of-two step expected, got {key.size()}")
+        if elts[0] in self._by_elt:
+            raise UnsafeInput(f"{name}: a rotation key sent twice")
+        self._by_elt[elts[0]] = key
+
+    def size(self) -> int:
+        return len(self._by_elt)
+
+    def has_key(self, elt: int) -> bool:
+        return elt in self._by_elt
+
+    def for_step(self, step: int) -> Any:
+        """The ``GaloisKeys`` holding the key of a rotation by ``step`` slots."""
+        try:
+            return self._by_elt[_galois_elt(step)]
+        except KeyError:
+            raise UnsafeInput(f"public context: no rotation key for step {step}") from None
 
 
 class CKKSLoRAPlan:
@@ -410,7 +458,7 @@ class CKKSLoRAPlan:
         babies = [c]
         for _ in range(1, g):
             nxt = s.Ciphertext()
-            ev.rotate_vector(babies[-1], 1, gk, nxt)
+            ev.rotate_vector(babies[-1], 1, gk.for_step(1), nxt)
             babies.append(nxt)
         giants = []
         for k in range(0, self.r_pad, g):
@@ -428,7 +476,7 @@ class CKKSLoRAPlan:
         out = giants[-1]
         for acc in reversed(giants[:-1]):
             rotated = s.Ciphertext()
-            ev.rotate_vector(out, g, gk, rotated)
+            ev.rotate_vector(out, g, gk.for_step(g), rotated)
             ev.add_inplace(acc, rotated)
             out = acc
         return out
@@ -501,7 +549,7 @@ class CKKSLoRAPlan:
             step = self.r_pad
             while step < SLOTS:  # sum over the ring: u[j mod r] in every slot j
                 rotated = s.Ciphertext()
-                ev.rotate_vector(z, step, gk, rotated)
+                ev.rotate_vector(z, step, gk.for_step(step), rotated)
                 ev.add_inplace(z, rotated)
                 step *= 2
             v = self._bsgs(ev, gk, z, self._diag_b, self.g_b)

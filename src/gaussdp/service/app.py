@@ -1,18 +1,22 @@
 """The FastAPI application: sessions with budgets, and Gaussian releases charged to them first.
 
-Status codes: 400 a body that is not UTF-8 JSON; 401 missing, bad, revoked or expired API key; 403
-the key's scope (read < release < admin) does not allow the route; 429 the key's rate limit
-(``Retry-After``); 404 a session this tenant does not own (another tenant's
-sessions are indistinguishable from missing ones); 409 the session's budget cannot pay for the
-release (``BudgetExhausted``: nothing was charged or released), an idempotency key was already
-charged and answered (``idempotency_key_used``: nothing new charged or released), or concurrent
-charges kept moving the session's history (``ledger_contention``,
-with ``Retry-After``), or the tenant's cap on sessions or total epsilon
-(``tenant_limit_exceeded``); 413 request body over ``max_body_bytes``; 422 invalid arguments, naming them,
-or a request that needs more than ``cpu_limit_s`` of numeric work (``work_limit_exceeded``; nothing
-charged); 503 the ledger's database cannot be reached (``database_unavailable``, with ``Retry-After``;
-nothing released). ``/healthz`` is liveness only (the process answers); ``/readyz`` reaches the
-database and answers 503 while it cannot.
+Status codes and error codes come from one table, :data:`gaussdp.service.errors.ERRORS` (the
+handlers, the WebSocket close codes and the OpenAPI entries are made from it): 400 a body that is
+not UTF-8 JSON; 401 missing, bad, revoked or expired API key; 403 the key's scope (read < release <
+admin) does not allow the route; 404 a session this tenant does not own (another tenant's sessions
+are indistinguishable from missing ones); 409 the session's budget cannot pay for the release
+(``budget_exhausted``: nothing was charged or released), an idempotency key was already charged and
+answered (``idempotency_key_used``: nothing new charged or released), or concurrent charges kept
+moving the session's history (``ledger_contention``, with ``Retry-After``); 413 request body over
+``max_body_bytes``; 422 invalid arguments, naming them, a JSON body nested deeper than
+:data:`~gaussdp.service.bounds.MAX_JSON_DEPTH` (``json_too_deep``, refused before it is parsed), or
+a request that needs more than ``cpu_limit_s`` of numeric work (``work_limit_exceeded``; nothing
+charged); 429 the key's rate limit (``rate_limited``, ``Retry-After``), the tenant's caps on
+sessions or epsilon (``tenant_limit_exceeded``), its share of generation slots
+(``too_many_generations``) or its quotas (``quota_exceeded``); 503 the ledger's database cannot be
+reached (``database_unavailable``, with ``Retry-After``; nothing released). ``/healthz`` is
+liveness only (the process answers); ``/readyz`` reaches the database and answers 503 while it
+cannot.
 
 Split mode (the private inference server) has two endpoints. ``/hidden-state`` is for a TRUSTED server: it
 receives the clean hidden state, clips and noises it itself. ``/lora-delta`` is for an honest-but-curious
@@ -31,11 +35,9 @@ Private generation with the models of ``gaussdp serve --model`` (``POST`` and We
 
 import base64
 import binascii
-import functools
 import importlib.util
 import json
 import logging
-import math
 import re
 import secrets
 import time
@@ -50,33 +52,21 @@ from gaussdp._extras import require_extra
 require_extra("service", feature="gaussdp.service")
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
-from fastapi.exception_handlers import http_exception_handler
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gaussdp._worklimit import cpu_limit, no_cpu_limit
-from gaussdp.budget import (
-    Budget,
-    BudgetExhausted,
-    Ledger,
-    LedgerContention,
-    PrincipalConflict,
-    StoreUnavailable,
-    TenantLimitExceeded,
-    UnknownPrincipal,
-)
-from gaussdp.errors import PrivacyError, WorkLimitExceeded
+from gaussdp._worklimit import no_cpu_limit
+from gaussdp.budget import Budget, Ledger, StoreUnavailable, UnknownPrincipal
+from gaussdp.service import errors
 from gaussdp.service.auth import Caller, KeyCache
-from gaussdp.service.keys import scope_allows
+from gaussdp.service.bounds import JSONDepthLimit
+from gaussdp.service.deps import SUBPROTOCOL, Gate, HeavyLane, bounded
 from gaussdp.service.limits import BodySizeLimit, RateLimiter, SharedRateLimiter
 from gaussdp.service.metrics import Metrics
 from gaussdp.service.models import (
     SESSION_ID_PATTERN,
     AuditLine,
     ChargeOut,
+    ErrorOut,
     HiddenStateIn,
     HiddenStateOut,
     HistoryPage,
@@ -89,8 +79,10 @@ from gaussdp.service.models import (
     SessionIn,
     SessionOut,
 )
+from gaussdp.service.quotas import Quotas
 from gaussdp.service.responses import CURSOR_PATTERN, IdempotencyKeyUsed, after_cursor, cursor_after
 from gaussdp.service.responses import responses as error_responses
+from gaussdp.service.streaming import StreamLimits
 
 __all__ = [
     "DEFAULT_CPU_LIMIT_S",
@@ -127,6 +119,15 @@ def create_app(
     metrics: Literal["keyed", "public", "off"] = "keyed",
     data_dir: str | None = None,
     model_paths: Mapping[str, str] | None = None,
+    max_streams: int = StreamLimits.max_streams,
+    max_streams_per_tenant: int = StreamLimits.max_streams_per_tenant,
+    max_stream_s: float = StreamLimits.max_stream_s,
+    stream_idle_s: float = StreamLimits.stream_idle_s,
+    ckks_memory_bytes: int = Quotas.ckks_memory_bytes,
+    ckks_tenant_memory_bytes: int = Quotas.ckks_tenant_memory_bytes,
+    max_corpora_per_tenant: int = Quotas.max_corpora_per_tenant,
+    max_corpus_bytes_per_tenant: int = Quotas.max_corpus_bytes_per_tenant,
+    max_jobs_per_tenant: int = Quotas.max_jobs_per_tenant,
 ) -> FastAPI:
     """Build the service over a ledger (opened from ``ledger_url`` unless ``ledger`` is given).
 
@@ -161,6 +162,16 @@ def create_app(
             ``torch`` extra; jobs are trained by :mod:`gaussdp.service.worker` processes).
         model_paths: base models fine-tuning jobs may name: name -> local directory (``gaussdp serve
             --model NAME=PATH``); never from a request.
+        max_streams, max_streams_per_tenant: generation slots of this worker process, in all and per
+            tenant (:mod:`gaussdp.service.fairness`); a stream or a POST generation holds one.
+        max_stream_s, stream_idle_s: a stream ends (``time_limit``) after ``max_stream_s``, and
+            (``idle``) after ``stream_idle_s`` without a token, whatever the client sends.
+        ckks_memory_bytes, ckks_tenant_memory_bytes: memory for loaded CKKS contexts in this worker,
+            in all and per tenant (:mod:`gaussdp.service.ckks`); a tenant's uploads evict only its
+            own contexts.
+        max_corpora_per_tenant, max_corpus_bytes_per_tenant, max_jobs_per_tenant: a tenant's stored
+            corpora (count and bytes) and its fine-tuning jobs not yet finished (429
+            ``quota_exceeded``; nothing stored or charged).
     """
     if metrics not in ("keyed", "public", "off"):
         raise ValueError(f"metrics must be 'keyed', 'public' or 'off', got metrics={metrics!r}")
@@ -176,6 +187,14 @@ def create_app(
         )
     if not cpu_limit_s > 0:
         raise ValueError(f"cpu_limit_s must be > 0, got cpu_limit_s={cpu_limit_s!r}")
+    stream_limits = StreamLimits(max_streams, max_streams_per_tenant, max_stream_s, stream_idle_s)
+    quotas = Quotas(
+        ckks_memory_bytes=ckks_memory_bytes,
+        ckks_tenant_memory_bytes=ckks_tenant_memory_bytes,
+        max_corpora_per_tenant=max_corpora_per_tenant,
+        max_corpus_bytes_per_tenant=max_corpus_bytes_per_tenant,
+        max_jobs_per_tenant=max_jobs_per_tenant,
+    )
     owns_ledger = ledger is None
     led = Ledger(ledger_url) if ledger is None else ledger
     tenants = KeyCache(led)
@@ -200,10 +219,14 @@ def create_app(
     )
     app.state.ledger = led
     path_limits = _ckks_body_limits(ckks)
+    raw_paths = [] if not ckks else [_ckks_context_path()]  # bodies that are not JSON
     if data_dir is not None:
         from gaussdp.service.finetune import CORPORA_PATH, MAX_CORPUS_BYTES
 
         path_limits[re.escape(CORPORA_PATH)] = MAX_CORPUS_BYTES  # corpora have their own limit
+        raw_paths.append(re.escape(CORPORA_PATH))
+    # inside the size limit: a body's bytes are counted first
+    app.add_middleware(JSONDepthLimit, raw_paths=raw_paths)
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes, path_limits=path_limits)
 
     def refused(reason: str) -> None:
@@ -228,50 +251,13 @@ def create_app(
             )
             return response
 
-    bearer = HTTPBearer(auto_error=False, description="An API key from `gaussdp keys create TENANT`.")
-
-    def caller_of(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller:
-        caller = None if creds is None else tenants.tenant(creds.credentials)
-        if caller is None:
-            refused("unauthorized")
-            raise HTTPException(
-                401, "missing, invalid, revoked or expired API key", headers={"WWW-Authenticate": "Bearer"}
-            )
-        if limiter is not None:
-            wait = limiter.take(caller.key_id)
-            if wait > 0:
-                refused("rate_limited")
-                raise HTTPException(
-                    429,
-                    f"rate limit of this API key ({limiter.rate:g} requests/s) reached; retry later",
-                    headers={"Retry-After": str(max(1, math.ceil(wait)))},
-                )
-        return caller
-
-    def needs(scope: str) -> Callable[[Caller], Caller]:
-        def scoped(caller: Annotated[Caller, Depends(caller_of)]) -> Caller:
-            if not scope_allows(caller.scope, scope):
-                refused("forbidden")
-                raise HTTPException(
-                    403, f"this API key's scope {caller.scope!r} does not allow {scope!r} routes"
-                )
-            return caller
-
-        return scoped
-
+    gate = Gate(tenants, limiter)
+    needs = gate.needs
     Who = Annotated[Caller, Depends(needs("read"))]
     Releaser = Annotated[Caller, Depends(needs("release"))]
     Admin = Annotated[Caller, Depends(needs("admin"))]
-
-    def bounded(route: Callable[..., Any]) -> Callable[..., Any]:
-        """Run a (sync) route under the per-request CPU limit, in the worker thread that runs it."""
-
-        @functools.wraps(route)
-        def limited(*args: Any, **kwargs: Any) -> Any:
-            with cpu_limit(cpu_limit_s):
-                return route(*args, **kwargs)
-
-        return limited
+    limited = bounded(cpu_limit_s)
+    lane = HeavyLane()  # CPU-heavy work of async routes, one piece at a time (corpora, CKKS contexts)
 
     def principal(tenant: str, session_id: str) -> str:
         # Tenant names cannot contain "/", so "tenant/session" never collides across tenants.
@@ -282,7 +268,7 @@ def create_app(
         try:
             led.budget(p)
         except UnknownPrincipal:
-            raise HTTPException(404, f"no session {session_id!r} for this API key") from None
+            raise errors.Refusal("not_found", f"no session {session_id!r} for this API key") from None
         return p
 
     def session_out(p: str, session_id: str) -> SessionOut:
@@ -296,77 +282,8 @@ def create_app(
             charges=sum(c for _, c in led.store.groups(p).items()),
         )
 
-    @app.exception_handler(BudgetExhausted)
-    async def _exhausted(request: Request, exc: BudgetExhausted) -> JSONResponse:
-        refused("budget_exhausted")
-        return JSONResponse({"detail": str(exc), "error": "budget_exhausted"}, status_code=409)
-
-    @app.exception_handler(IdempotencyKeyUsed)
-    async def _replayed(request: Request, exc: IdempotencyKeyUsed) -> JSONResponse:
-        refused("idempotency_key_used")
-        return JSONResponse({"detail": str(exc), "error": "idempotency_key_used"}, status_code=409)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        # FastAPI's default echoes the input back: it may be huge, or NaN (which JSON cannot encode).
-        errors = [
-            {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
-            for e in exc.errors()
-        ]
-        return JSONResponse({"detail": errors}, status_code=422)
-
-    @app.exception_handler(WorkLimitExceeded)
-    async def _work_limit(request: Request, exc: WorkLimitExceeded) -> JSONResponse:
-        refused("work_limit_exceeded")
-        return JSONResponse({"detail": str(exc), "error": "work_limit_exceeded"}, status_code=422)
-
-    @app.exception_handler(LedgerContention)
-    async def _contention(request: Request, exc: LedgerContention) -> JSONResponse:
-        refused("ledger_contention")
-        return JSONResponse(
-            {"detail": str(exc), "error": "ledger_contention"}, status_code=409, headers={"Retry-After": "1"}
-        )
-
-    @app.exception_handler(TenantLimitExceeded)
-    async def _tenant_limit(request: Request, exc: TenantLimitExceeded) -> JSONResponse:
-        refused("tenant_limit_exceeded")
-        return JSONResponse({"detail": str(exc), "error": "tenant_limit_exceeded"}, status_code=409)
-
-    @app.exception_handler(PrincipalConflict)
-    async def _conflict(request: Request, exc: PrincipalConflict) -> JSONResponse:
-        return JSONResponse({"detail": str(exc), "error": "session_conflict"}, status_code=409)
-
-    @app.exception_handler(PrivacyError)
-    async def _invalid(request: Request, exc: PrivacyError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc), "error": type(exc).__name__}, status_code=422)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> Any:
-        if exc.status_code == 405:  # Allow lists every method of the path (routes are per method)
-            allowed = sorted(
-                {
-                    m
-                    for r in app.routes
-                    if isinstance(r, APIRoute) and r.path_regex.match(request.url.path)
-                    for m in (r.methods or ())
-                }
-            )
-            headers = {**(exc.headers or {}), "Allow": ", ".join(allowed)}
-            return JSONResponse({"detail": exc.detail}, status_code=405, headers=headers)
-        return await http_exception_handler(request, exc)
-
-    @app.exception_handler(StoreUnavailable)
-    async def _unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
-        refused("database_unavailable")
-        logger.warning("ledger database unavailable: %s", exc)
-        return JSONResponse(
-            {
-                "detail": "the ledger's database cannot be reached; nothing was released",
-                "error": "database_unavailable",
-            },
-            status_code=503,
-            headers={"Retry-After": "1"},
-        )
+    errors.install(app, refused)
+    errors.document(app)
 
     @app.get("/healthz", tags=["meta"])
     def healthz() -> dict[str, str]:
@@ -378,7 +295,7 @@ def create_app(
         tags=["meta"],
         responses={
             200: {"description": "Ready.", "model": ReadyOut},
-            503: {"description": "The ledger's database cannot be reached.", "model": ReadyOut},
+            503: {**error_responses(503)[503], "model": ReadyOut},  # the table's row, this body
         },
     )
     def readyz() -> JSONResponse:
@@ -389,7 +306,11 @@ def create_app(
                 ping()
         except StoreUnavailable as exc:
             logger.warning("readiness: %s", exc)
-            return JSONResponse({"status": "unavailable", "error": "database_unavailable"}, status_code=503)
+            return JSONResponse(
+                {"status": "unavailable", "error": "database_unavailable"},
+                status_code=503,
+                headers={"Retry-After": "1"},
+            )
         return JSONResponse({"status": "ok"})
 
     @app.post(
@@ -399,11 +320,11 @@ def create_app(
         tags=["sessions"],
         responses=error_responses(400, 401, 403, 409, 413, 422, 429, 503),
     )
-    @bounded
+    @limited
     def create_session(body: SessionIn, who: Releaser) -> SessionOut:
         """Open a session with a total (epsilon, delta) budget; its releases are charged to it.
 
-        Counted against the tenant's caps, when it has some (409 ``tenant_limit_exceeded``).
+        Counted against the tenant's caps, when it has some (429 ``tenant_limit_exceeded``).
         """
         session_id = body.session_id or secrets.token_urlsafe(12)
         p = principal(who.tenant, session_id)
@@ -422,7 +343,7 @@ def create_app(
         tags=["sessions"],
         responses=error_responses(401, 404, 422, 429, 503),
     )
-    @bounded
+    @limited
     def get_session(session_id: SessionId, who: Who) -> SessionOut:
         """Budget, spent and remaining privacy of a session."""
         return session_out(owned(who.tenant, session_id), session_id)
@@ -498,7 +419,7 @@ def create_app(
         tags=["releases"],
         responses=error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
     )
-    @bounded
+    @limited
     def release(session_id: SessionId, body: ReleaseIn, who: Releaser) -> ReleaseOut:
         """Clip a vector to L2 norm ``sensitivity``, add calibrated Gaussian noise; charged first."""
         p = owned(who.tenant, session_id)
@@ -523,7 +444,7 @@ def create_app(
         tags=["releases"],
         responses=error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
     )
-    @bounded
+    @limited
     def hidden_state(session_id: SessionId, body: HiddenStateIn, who: Releaser) -> HiddenStateOut:
         """Split mode, TRUSTED server: clip the state to ``clip_norm``, noise it, charge.
 
@@ -562,7 +483,7 @@ def create_app(
         tags=["releases"],
         responses=error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
     )
-    @bounded
+    @limited
     def lora_delta(session_id: SessionId, body: LoraDeltaIn, who: Releaser) -> LoraDeltaOut:
         """The inference server's split mode, untrusted server: the LoRA delta of rows the CLIENT privatized.
 
@@ -628,29 +549,30 @@ def create_app(
                 charged=charged,
                 sensitivity_of=_sensitivity,
                 row_event=_row_event,
-                bounded=bounded,
+                bounded=limited,
+                cpu_limit_s=cpu_limit_s,
+                quotas=quotas,
+                lane=lane,
             )
         )
-
-    def ws_caller(key: str | None) -> Caller:  # the WebSocket route's key: same checks as a header
-        creds = None if key is None else HTTPAuthorizationCredentials(scheme="Bearer", credentials=key)
-        return needs("release")(caller_of(creds))
 
     from gaussdp.service.streaming import generation_router
 
     app.include_router(
         generation_router(
             ledger=led,
+            gate=gate,
             releaser=Releaser,
-            authenticate=ws_caller,
             owned=owned,
             noise=noise,
             cpu_limit_s=cpu_limit_s,
             on_charged=charged,
             on_refused=refused,
             responses=error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503),
+            limits=stream_limits,
         )
     )
+    _document_websocket(app, needs("release"))
 
     if stats is not None:
         deps = [Depends(needs("admin"))] if metrics == "keyed" else []
@@ -686,10 +608,59 @@ def create_app(
                 model_paths=app.state.model_paths,
                 reader=needs("read"),
                 releaser=needs("release"),
-                bounded=bounded,
+                bounded=limited,
+                cpu_limit_s=cpu_limit_s,
+                quotas=quotas,
+                lane=lane,
             )
         )
     return app
+
+
+def _document_websocket(app: FastAPI, releaser: Callable[..., Caller]) -> None:
+    """``GET /v1/sessions/{id}/generate``: the WebSocket stream's entry in the OpenAPI document.
+
+    OpenAPI has no WebSocket operations; this GET is the upgrade request. Its description and its
+    ``x-websocket-close-codes`` come from the error table; a plain HTTP GET (no upgrade) with a
+    valid key is answered 426 Upgrade Required (its key is checked as for every route).
+    """
+    codes = errors.websocket_close_codes()
+    table = "\n".join(
+        f"| {close} | {', '.join(f'`{c}`' for c in entry['errors']) or 'normal end'} |"
+        for close, entry in sorted(codes.items())
+    )
+    description = (
+        "The generation stream over WebSocket: upgrade this GET (`Upgrade: websocket`) with the "
+        "API key in the `Authorization` header, or in the subprotocol `gaussdp.key.<key>` next to "
+        f"`{SUBPROTOCOL}`. The protocol is documented in `gaussdp.service.streaming`.\n\n"
+        "| close code | errors |\n|---|---|\n" + table
+    )
+
+    @app.get(
+        "/v1/sessions/{session_id}/generate",
+        tags=["inference"],
+        status_code=426,
+        response_class=JSONResponse,
+        description=description,
+        summary="Generate stream (WebSocket upgrade)",
+        responses={
+            101: {"description": "Switching protocols: the stream (messages and close codes as described)."},
+            426: {
+                "description": "A plain HTTP GET: this route is a WebSocket (upgrade required).",
+                "model": ErrorOut,
+                "headers": {"Upgrade": {"description": "websocket", "schema": {"type": "string"}}},
+            },
+            **error_responses(401, 403, 422, 429, 503),
+        },
+        openapi_extra={"x-websocket-close-codes": codes},
+        dependencies=[Depends(releaser)],
+    )
+    def generate_stream_upgrade(session_id: SessionId) -> JSONResponse:
+        raise errors.Refusal(
+            "upgrade_required",
+            "this route is a WebSocket: upgrade the request (see the OpenAPI description)",
+            headers={"Upgrade": "websocket", "Connection": "Upgrade"},
+        )
 
 
 def _durable_url(led: Ledger) -> str:
@@ -715,6 +686,12 @@ def _ckks_body_limits(ckks: bool) -> dict[str, int]:
     from gaussdp.service.ckks import BODY_LIMITS
 
     return dict(BODY_LIMITS)
+
+
+def _ckks_context_path() -> str:
+    from gaussdp.service.ckks import CONTEXT_PATH_PATTERN
+
+    return CONTEXT_PATH_PATTERN
 
 
 def _sensitivity(clip_norm: float, neighbouring: str) -> float:
@@ -866,8 +843,10 @@ def _include_optional_routers(app: FastAPI, dependencies: list[Any]) -> None:
         return
     # The page, its scripts, the vocabulary and the guarantee are public (a browser opening a page
     # sends no key); submitting text needs the key the user types into the page.
-    errors = error_responses(401, 403, 429) if dependencies else {}
-    app.include_router(make_router(submit_dependencies=dependencies, submit_responses=errors))
+    refusals = (
+        error_responses(400, 401, 403, 413, 422, 429) if dependencies else error_responses(400, 413, 422)
+    )
+    app.include_router(make_router(submit_dependencies=dependencies, submit_responses=refusals))
 
 
 def _version() -> str:

@@ -33,6 +33,7 @@ class KeyCache:
     def __init__(self, ledger: Ledger) -> None:
         self._ledger = ledger
         self._cache: dict[str, tuple[Caller, float]] = {}
+        self._alive: dict[str, tuple[bool, float]] = {}  # key id -> (valid, when checked)
         self._lock = threading.Lock()
 
     def tenant(self, key: str) -> Caller | None:
@@ -51,3 +52,24 @@ class KeyCache:
                 self._cache.clear()
             self._cache[key] = (caller, now)
         return caller
+
+    def alive(self, caller: Caller) -> bool:
+        """Whether the key that authenticated ``caller`` is still valid (not revoked, not expired),
+        as the store said at most :data:`KEY_CACHE_SECONDS` ago: what a long request (a stream)
+        asks before each charge, so that a revoked key stops being charged within 1 s."""
+        if caller.expires_at is not None and time.time() >= caller.expires_at:
+            return False
+        now = time.monotonic()
+        with self._lock:
+            hit = self._alive.get(caller.key_id)
+        if hit is not None and now - hit[1] < KEY_CACHE_SECONDS:
+            return hit[0]
+        row = self._ledger.store.get_api_key(caller.key_id)
+        valid = (
+            row is not None and not row.revoked and (row.expires_at is None or time.time() < row.expires_at)
+        )
+        with self._lock:
+            if len(self._alive) > 10_000:
+                self._alive.clear()
+            self._alive[caller.key_id] = (valid, now)
+        return valid

@@ -6,12 +6,17 @@ The private inference server's split mode with an honest-but-curious server, enc
 1. ``POST /v1/sessions/{id}/ckks-context`` (body: the raw bytes of
    :meth:`~gaussdp.inference.ckks.CKKSClient.public_context`, ``application/octet-stream``): the
    client's CKKS parameters and rotation keys, WITHOUT its secret key. Answered 201 with a
-   ``context_id`` (the SHA-256 of the bytes) and the adapters those keys can serve. This route has
-   its own body limit, :data:`MAX_CONTEXT_BYTES` (16 MiB; the rotation keys weigh 6.6 to 8.7 MB), in
-   place of the service's ``max_body_bytes``. Kept in this worker's memory: one context per session (a new
-   upload replaces it), at most :data:`MAX_CONTEXTS` in all (least recently used evicted). A
-   context that is not (or no longer) here is answered 404 ``ckks_context_unknown``: upload it again
-   (with several worker processes, each needs its copy; the client does that on 404).
+   ``context_id`` (the SHA-256 of the bytes), the adapters those keys can serve, and the memory it
+   is counted for. This route has its own body limit, :data:`MAX_CONTEXT_BYTES` (16 MiB; the
+   rotation keys weigh 6.6 MB at rank 32, 8.7 MB for all 12 power-of-two steps), in place of the
+   service's ``max_body_bytes``. Kept in this worker's memory: one context per session (a new
+   upload replaces it), under two budgets in bytes (:class:`ContextMemory`): the tenant's
+   (``ckks_tenant_memory_bytes``, default 128 MiB: a tenant's new context evicts its own least
+   recently used ones) and the worker's (``ckks_memory_bytes``, default 512 MiB: when other
+   tenants' contexts fill it, the upload is refused 429 ``capacity_exceeded``; one tenant never
+   evicts another's). A context unused for :data:`CONTEXT_IDLE_S` is dropped. A context that is
+   not (or no longer) here is answered 404 ``ckks_context_unknown``: upload it again (with several
+   worker processes, each needs its copy; the client does that on 404).
 2. ``POST /v1/sessions/{id}/ckks-lora-delta`` (JSON: ``context_id``, ``adapter``, ``ciphertext_b64``
    (base64 of :meth:`~gaussdp.inference.ckks.CKKSClient.encrypt`), ``rows``, and the privacy the
    client declares it spent: ``sigma``, ``clip_norm``, ``neighbouring``, as for ``/lora-delta``);
@@ -28,29 +33,43 @@ and noise (it cannot even see the rows); the charge records the client's declare
 the session's budget is enforced. Encryption keeps the noised rows and the delta from the server;
 the privacy of the rows against whoever holds the key comes from the noise.
 
-**Cost.** At most :data:`MAX_ROWS` rows a request: each row costs about 0.1 to 0.2 s of one core at
-hidden size 1536 and rank 32 (``benchmarks/bench_inference.py``), so that a request stays near the
-service's 1 s of CPU. Loading a context costs about 0.3 s. An adapter's diagonals are encoded once,
-at its first request.
+**Memory and cost.** A loaded context holds its rotation keys unseeded: 1.5 MiB of data per key
+(:data:`GALOIS_KEY_BYTES`: 3 decomposition parts x 2 polynomials x 4 primes x 8192 coefficients x 8
+bytes), 1.7 MiB of RSS measured; the SEAL context of the fixed parameters is shared. Measured RSS
+growth per context (``tests/service/test_service_ckks.py``): 15.2 MiB at rank 32 (9 keys), 18.7 MiB
+at rank 4 (11 keys), 20.4 MiB with the 12 keys of every rank; each is counted for 1.75 MiB a key
+and 0.5 MiB besides (:func:`context_memory_bytes`: 16.3, 19.8 and 21.5 MiB; at most 42.5 MiB, 24
+keys).
+Loading one costs 0.05 to 0.12 s of CPU, key by key (SEAL calls of about 7 ms, each holding the
+GIL, with 10 ms between two keys for the other threads: forward passes of other tenants' streams):
+loads run in a worker thread under the request's CPU limit, in the app's lane for CPU-heavy work
+(one piece at a time per worker, busy at most half the time) and one at a time per tenant, so that
+the event loop waits for one key's load at most. At most :data:`MAX_ROWS` rows a request: each row
+costs about 0.1 to 0.2 s of one core at hidden size 1536 and rank 32
+(``benchmarks/bench_inference.py``), so that a request stays near the service's 1 s of CPU. An
+adapter's diagonals are encoded once, at its first request.
 """
 
 # No "from __future__ import annotations": FastAPI resolves the local Annotated aliases at runtime.
 
+import asyncio
 import base64
 import binascii
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from gaussdp._neighbouring import DEFAULT_HIDDEN_STATE_NEIGHBOURING
-from gaussdp._worklimit import no_cpu_limit
+from gaussdp._worklimit import check_work_limit, no_cpu_limit
 from gaussdp.service.auth import Caller
+from gaussdp.service.deps import CPUBudget, HeavyLane
+from gaussdp.service.errors import Refusal
 from gaussdp.service.models import (
     SESSION_ID_PATTERN,
     IdempotencyKey,
@@ -58,25 +77,37 @@ from gaussdp.service.models import (
     Privacy,
     _Strict,
 )
+from gaussdp.service.quotas import Quotas
 from gaussdp.service.responses import IdempotencyKeyUsed
 from gaussdp.service.responses import responses as error_responses
 
 __all__ = [
     "BODY_LIMITS",
+    "CONTEXT_IDLE_S",
     "CONTEXT_PATH_PATTERN",
     "DELTA_PATH_PATTERN",
-    "MAX_CONTEXTS",
+    "GALOIS_KEY_BYTES",
     "MAX_CONTEXT_BYTES",
     "MAX_DELTA_BYTES",
     "MAX_ROWS",
     "CKKSContextOut",
     "CKKSLoraDeltaIn",
     "CKKSLoraDeltaOut",
+    "ContextMemory",
     "ckks_router",
+    "context_memory_bytes",
 ]
 
 MAX_CONTEXT_BYTES = 16 * 1024 * 1024
-MAX_CONTEXTS = 8  # loaded contexts per worker, about 18 MB each in memory (rotation keys unseeded)
+#: The data of one loaded rotation key: 3 decomposition parts (the data primes) x 2 polynomials x 4
+#: primes x 8192 coefficients x 8 bytes (SEAL keeps keys unseeded and uncompressed in memory).
+GALOIS_KEY_BYTES = 3 * 2 * 4 * 8192 * 8
+# What one loaded key adds to the process's RSS, measured (1.69-1.71 MiB for contexts of 6 to 12
+# keys, tests/service/test_service_ckks.py), rounded up; and a context's own objects besides.
+_KEY_MEMORY_BYTES = 1792 << 10  # 1.75 MiB
+_CONTEXT_OVERHEAD_BYTES = 512 << 10
+_KEY_PAUSE_S = 0.01  # between two keys' loads: bench_abuse's CKKS phase, p99 3.5x -> 1.4-1.8x idle
+CONTEXT_IDLE_S = 3600.0  # a context unused this long is dropped (its tenant uploads it again)
 MAX_ROWS = 4
 CONTEXT_PATH_PATTERN = r"/v1/sessions/[^/]+/ckks-context"
 DELTA_PATH_PATTERN = r"/v1/sessions/[^/]+/ckks-lora-delta"
@@ -91,6 +122,9 @@ SessionId = Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The ses
 class CKKSContextOut(BaseModel):
     context_id: str = Field(description="SHA-256 (hex) of the uploaded bytes; name it in ckks-lora-delta.")
     size_bytes: int = Field(description="Size of the uploaded context.")
+    memory_bytes: int = Field(
+        description="Memory the loaded context is counted for, against the tenant's CKKS memory budget."
+    )
     adapters: list[str] = Field(
         description="Adapters this context can serve (their sizes fit the packing, its keys their rank)."
     )
@@ -132,28 +166,104 @@ class CKKSLoraDeltaOut(BaseModel):
     remaining: Privacy
 
 
-class _Contexts:
-    """Loaded public contexts of this worker: one per session, LRU-bounded in all."""
+def context_memory_bytes(ctx: Any) -> int:
+    """The bytes a loaded context is counted for: 1.75 MiB per rotation key (its data,
+    :data:`GALOIS_KEY_BYTES`, and SEAL's allocations around it) and 0.5 MiB besides, an upper bound
+    of the RSS growth measured per context."""
+    return int(ctx.galois_keys.size()) * _KEY_MEMORY_BYTES + _CONTEXT_OVERHEAD_BYTES
 
-    def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._items: OrderedDict[str, Any] = OrderedDict()  # principal -> CKKSPublicContext
+
+class ContextMemory:
+    """Loaded public contexts of this worker: one per session, under a byte budget per tenant and
+    one for all tenants. A tenant's new context evicts only that tenant's least recently used ones;
+    when the others' contexts leave no room, the upload is refused (never evicts them)."""
+
+    def __init__(self, total_bytes: int, tenant_bytes: int, idle_s: float = CONTEXT_IDLE_S) -> None:
+        self.total_bytes, self.tenant_bytes, self.idle_s = int(total_bytes), int(tenant_bytes), idle_s
+        # tenant -> principal -> (context, bytes, last used); tenants' dicts in LRU order
+        self._items: dict[str, OrderedDict[str, tuple[Any, int, float]]] = {}
         self._lock = threading.Lock()
 
-    def get(self, principal: str, context_id: str) -> Any:
+    def used(self, tenant: str | None = None) -> int:
+        """Bytes held by ``tenant`` (by every tenant when ``None``)."""
         with self._lock:
-            ctx = self._items.get(principal)
-            if ctx is None or ctx.context_id != context_id:
-                return None
-            self._items.move_to_end(principal)
-            return ctx
+            return self._used(tenant)
 
-    def put(self, principal: str, ctx: Any) -> None:
+    def _used(self, tenant: str | None) -> int:
+        tenants = self._items.values() if tenant is None else [self._items.get(tenant, OrderedDict())]
+        return sum(n for items in tenants for _, n, _ in items.values())
+
+    def _drop_idle(self, now: float) -> None:
+        for tenant in list(self._items):
+            items = self._items[tenant]
+            for p in [p for p, (_, _, at) in items.items() if now - at > self.idle_s]:
+                del items[p]
+            if not items:
+                del self._items[tenant]
+
+    def get(self, tenant: str, principal: str, context_id: str) -> Any:
         with self._lock:
-            self._items[principal] = ctx
-            self._items.move_to_end(principal)
-            while len(self._items) > self._capacity:
-                self._items.popitem(last=False)
+            items = self._items.get(tenant)
+            hit = None if items is None else items.get(principal)
+            if items is None or hit is None or hit[0].context_id != context_id:
+                return None
+            items[principal] = (hit[0], hit[1], time.monotonic())
+            items.move_to_end(principal)
+            return hit[0]
+
+    def room(self, tenant: str) -> None:
+        """Refuse an upload before it is read when not even the smallest context could be kept."""
+        smallest = _KEY_MEMORY_BYTES + _CONTEXT_OVERHEAD_BYTES
+        if self.tenant_bytes < smallest:
+            raise Refusal(
+                "quota_exceeded",
+                "this server keeps no CKKS context for a tenant "
+                f"(ckks_tenant_memory_bytes={self.tenant_bytes})",
+            )
+        with self._lock:
+            self._drop_idle(time.monotonic())
+            others = self._used(None) - self._used(tenant)
+        if self.total_bytes - others < smallest:
+            raise self._full(smallest, others)
+
+    def _full(self, size: int, others: int) -> Refusal:
+        return Refusal(
+            "capacity_exceeded",
+            f"the server's memory for CKKS contexts is in use by other tenants ({others} of "
+            f"{self.total_bytes} bytes): a context of {size} bytes does not fit; retry later",
+            headers={"Retry-After": "60"},
+        )
+
+    def put(self, tenant: str, principal: str, ctx: Any, size: int) -> None:
+        """Keep ``ctx`` for ``principal`` (replacing its earlier one), evicting ``tenant``'s least
+        recently used contexts as its budget needs.
+
+        Raises:
+            Refusal: ``quota_exceeded`` (larger than the tenant's budget), ``capacity_exceeded``
+                (other tenants' contexts leave no room): nothing is kept, nothing evicted.
+        """
+        if size > self.tenant_bytes:
+            raise Refusal(
+                "quota_exceeded",
+                f"this CKKS context needs {size} bytes in memory, more than this tenant's "
+                f"ckks_tenant_memory_bytes={self.tenant_bytes}: make one with fewer rotation keys "
+                "(CKKSClient(rank=...))",
+            )
+        now = time.monotonic()
+        with self._lock:
+            self._drop_idle(now)
+            items = self._items.get(tenant, OrderedDict())
+            mine = self._used(tenant) - (items[principal][1] if principal in items else 0)
+            others = self._used(None) - self._used(tenant)
+            if others + size > self.total_bytes:
+                raise self._full(size, others)
+            items.pop(principal, None)  # replaced
+            limit = min(self.tenant_bytes, self.total_bytes - others)
+            while items and mine + size > limit:  # this tenant's own, least recently used first
+                _, (_, n, _) = items.popitem(last=False)
+                mine -= n
+            items[principal] = (ctx, size, now)
+            self._items[tenant] = items
 
 
 def ckks_router(
@@ -166,9 +276,17 @@ def ckks_router(
     sensitivity_of: Callable[[float, str], float],
     row_event: Callable[[float, int], Any],
     bounded: Callable[[Callable[..., Any]], Callable[..., Any]],
-    max_contexts: int = MAX_CONTEXTS,
+    cpu_limit_s: float,
+    quotas: Quotas | None = None,
+    lane: HeavyLane | None = None,
 ) -> APIRouter:
-    """The two CKKS routes over ``create_app``'s adapters, ledger, key check and charge path."""
+    """The two CKKS routes over ``create_app``'s adapters, ledger, key check and charge path.
+
+    Args:
+        cpu_limit_s: the per-request CPU limit a context's loading runs under.
+        quotas: the CKKS memory budgets (``ckks_memory_bytes``, ``ckks_tenant_memory_bytes``).
+        lane: the app's lane for CPU-heavy work (a context is loaded in it).
+    """
     from gaussdp.inference.ckks import (
         MAX_HIDDEN,
         MAX_RANK,
@@ -179,7 +297,13 @@ def ckks_router(
     )
 
     Releaser = Annotated[Caller, Depends(releaser)]
-    contexts = _Contexts(max_contexts)
+    quotas = quotas or Quotas()
+    contexts = ContextMemory(quotas.ckks_memory_bytes, quotas.ckks_tenant_memory_bytes)
+    # A context loads key by key (SEAL calls of about 7 ms, each holding the GIL), in the app's lane
+    # for CPU-heavy work (one piece at a time per worker), and one upload at a time per tenant, so
+    # that a tenant's queue of uploads waits behind itself (the lane is first come, first served)
+    lane = lane or HeavyLane()
+    tenant_uploads: dict[str, tuple[asyncio.Lock, int]] = {}  # tenant -> (its lock, uploads in flight)
     plans: dict[str, CKKSLoRAPlan] = {}
     plans_lock = threading.Lock()
     router = APIRouter(tags=["releases"])
@@ -191,19 +315,25 @@ def ckks_router(
                 plans[name] = CKKSLoRAPlan(a, b, scaling)
             return plans[name]
 
-    def load(session_id: str, who: Caller, data: bytes) -> CKKSContextOut:
-        p = owned(who.tenant, session_id)
-        ctx = CKKSPublicContext(data)  # UnsafeInput -> 422 (the app's PrivacyError handler)
-        contexts.put(p, ctx)
-        usable = [
+    def between_keys() -> None:
+        check_work_limit()
+        time.sleep(_KEY_PAUSE_S)  # the GIL to other threads (forward passes) between two SEAL calls
+
+    def load(data: bytes) -> Any:
+        # UnsafeInput -> 422 (the app's PrivacyError handler); the CPU limit is looked at between keys
+        ctx = CKKSPublicContext(data, between_keys=between_keys)
+        check_work_limit()
+        return ctx
+
+    def usable(ctx: Any) -> list[str]:
+        return sorted(
             name
             for name, (a, b, *_) in adapters.items()
             if a.shape[0] <= MAX_RANK
             and a.shape[1] <= MAX_HIDDEN
             and b.shape[0] <= SLOTS
             and all(ctx.has_rotation(k) for k in rotation_steps_for(int(a.shape[0])))
-        ]
-        return CKKSContextOut(context_id=ctx.context_id, size_bytes=ctx.nbytes, adapters=sorted(usable))
+        )
 
     @router.post(
         "/v1/sessions/{session_id}/ckks-context",
@@ -221,12 +351,31 @@ def ckks_router(
         """Upload the client's CKKS public context (parameters and rotation keys, no secret key).
 
         The body is the raw bytes of ``CKKSClient.public_context()``, at most 16 MiB. Answers the
-        ``context_id`` to name in ``ckks-lora-delta``. Costs no privacy.
+        ``context_id`` to name in ``ckks-lora-delta``. Costs no privacy. Kept under the tenant's
+        and the worker's CKKS memory budgets (429 ``quota_exceeded`` / ``capacity_exceeded``).
         """
-        data = await request.body()
-        if not data:
-            raise HTTPException(422, "body: send the bytes of CKKSClient.public_context()")
-        return await run_in_threadpool(load, session_id, who, data)
+        p = await run_in_threadpool(owned, who.tenant, session_id)
+        contexts.room(who.tenant)  # before a byte of the body is read
+        mine, waiting = tenant_uploads.get(who.tenant, (asyncio.Lock(), 0))
+        tenant_uploads[who.tenant] = (mine, waiting + 1)
+        try:
+            async with mine:
+                data = await request.body()
+                if not data:
+                    raise HTTPException(422, "body: send the bytes of CKKSClient.public_context()")
+                ctx = await lane.run(CPUBudget(cpu_limit_s), load, data)
+                del data
+                size = context_memory_bytes(ctx)
+                contexts.put(who.tenant, p, ctx, size)
+        finally:
+            lock, waiting = tenant_uploads[who.tenant]
+            if waiting == 1:
+                del tenant_uploads[who.tenant]
+            else:
+                tenant_uploads[who.tenant] = (lock, waiting - 1)
+        return CKKSContextOut(
+            context_id=ctx.context_id, size_bytes=ctx.nbytes, memory_bytes=size, adapters=usable(ctx)
+        )
 
     @router.post(
         "/v1/sessions/{session_id}/ckks-lora-delta",
@@ -246,15 +395,12 @@ def ckks_router(
         p = owned(who.tenant, session_id)
         if body.adapter not in adapters:
             raise HTTPException(422, f"adapter: no LoRA adapter named {body.adapter!r} on this server")
-        ctx = contexts.get(p, body.context_id)
+        ctx = contexts.get(who.tenant, p, body.context_id)
         if ctx is None:
-            return JSONResponse(
-                {
-                    "detail": f"no CKKS context {body.context_id} for this session in this server "
-                    "process: POST its bytes to .../ckks-context (again)",
-                    "error": "ckks_context_unknown",
-                },
-                status_code=404,
+            raise Refusal(
+                "ckks_context_unknown",
+                f"no CKKS context {body.context_id} for this session in this server process: POST its "
+                "bytes to .../ckks-context (again)",
             )
         try:
             raw = base64.b64decode(body.ciphertext_b64, validate=True)

@@ -33,16 +33,25 @@ Routes (all need an API key; ``release`` scope to change anything, ``read`` to l
                                           ``gaussdp_privacy.json``) once succeeded; 409 before.
 =======================================  ======================================================
 
-Status codes: 401/403/429 as every route; 404 a corpus, job or session this tenant does not own:
-another tenant's are indistinguishable from missing ones (same status, same body); 409
-``budget_exhausted`` (the session cannot pay for the job: nothing charged, nothing queued), or
-``job_not_succeeded`` (adapter of a job that has not succeeded); 413 a corpus over 20,000,000
-bytes: refused before a byte is read when ``Content-Length`` says so, and as soon as the count
-passes the limit for a chunked body (what was written is deleted); 422 invalid parameters, a corpus
-that is not UTF-8 / not JSONL / empty, or that was declared perturbed by gaussdp's mechanism but
-holds a token that is not a vocabulary word (the first such line is named, the word is never
-echoed), a model that is not registered, a delta other than the session's, a plan that does not
-fit the request's limits; 503 the database cannot be reached.
+Status codes (from the service's one table, :mod:`gaussdp.service.errors`): 401/403/429 as every
+route; 404 a corpus, job or session this tenant does not own: another tenant's are indistinguishable
+from missing ones (same status, same body); 409 ``budget_exhausted`` (the session cannot pay for the
+job: nothing charged, nothing queued), or ``job_not_succeeded`` (adapter of a job that has not
+succeeded); 413 a corpus over 20,000,000 bytes: refused before a byte is read when
+``Content-Length`` says so, and as soon as the count passes the limit for a chunked body (what was
+written is deleted); 422 invalid parameters, a corpus that is not UTF-8 / not JSONL / empty, a JSONL
+line nested deeper than 32 levels (``json_too_deep``), or that was declared perturbed by gaussdp's
+mechanism but holds a token that is not a vocabulary word (the first such line is named, the word
+is never echoed), a model that is not registered, a delta other than the session's, a plan that
+does not fit the request's limits, or a corpus whose check needs more than the request's CPU limit
+(``work_limit_exceeded``); 429 ``quota_exceeded``: the tenant's stored corpora (count or bytes,
+:class:`~gaussdp.service.quotas.Quotas`) or its unfinished jobs are at their quota (checked before
+the body is read when it can be, and again in the transaction that stores the row: nothing is
+stored, nothing charged); 503 the database cannot be reached.
+
+A corpus is checked, hashed and written in blocks of 1 MiB in worker threads, never on the event
+loop, all blocks together under the request's CPU limit (``cpu_limit_s``), one block at a time per
+worker process (:class:`~gaussdp.service.deps.HeavyLane`: concurrent uploads take turns).
 
 Who pays: a job is charged to a **session** the request names (``session_id``; opened with
 ``POST /v1/sessions``, whose budget and accountant apply, as for every release), with the plan's
@@ -62,6 +71,7 @@ the client declares. A corpus declared without ``mechanism`` is taken as raw (ce
 
 # No "from __future__ import annotations": FastAPI resolves the local Annotated aliases at runtime.
 
+import functools
 import hashlib
 import json
 import os
@@ -73,13 +83,15 @@ from typing import Annotated, Any, Literal
 
 import anyio
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from gaussdp._worklimit import no_cpu_limit
 from gaussdp.budget import Ledger, UnknownPrincipal
 from gaussdp.errors import PrivacyError, WorkLimitExceeded
 from gaussdp.service.auth import Caller
 from gaussdp.service.corpus_check import CorpusChecker
+from gaussdp.service.deps import CPUBudget, HeavyLane
+from gaussdp.service.errors import Refusal
 from gaussdp.service.finetune_models import (
     ID_PATTERN,
     NAME_PATTERN,
@@ -90,6 +102,7 @@ from gaussdp.service.finetune_models import (
     ModelOut,
 )
 from gaussdp.service.jobs import TERMINAL_STATES, CorpusRow, JobRow, JobStore
+from gaussdp.service.quotas import Quotas
 from gaussdp.service.responses import responses as error_responses
 from gaussdp.service.worker import adapter_dir, corpus_path, finetune_config
 from gaussdp.text.tokenize import MAX_INPUT_BYTES, words
@@ -103,6 +116,7 @@ ListLimit = Annotated[int, Query(ge=1, le=1000, description="How many of the mos
 MAX_CORPUS_BYTES = MAX_INPUT_BYTES  # 20,000,000 bytes (decimal 20 MB), as gaussdp.text's input limit
 CORPORA_PATH = "/v1/corpora"
 SSE_POLL_S = 0.5
+_BLOCK_BYTES = 1 << 20  # a corpus is checked, hashed and written in blocks of this size, in a thread
 SSE_MAX_S = 3600.0  # a stream ends after an hour; the client reconnects
 
 CorpusId = Annotated[str, Path(pattern=ID_PATTERN, description="The corpus's id.")]
@@ -119,6 +133,9 @@ def make_finetune_router(
     reader: Callable[..., Caller],
     releaser: Callable[..., Caller],
     bounded: Callable[[Callable[..., Any]], Callable[..., Any]],
+    cpu_limit_s: float = 1.0,
+    quotas: Quotas | None = None,
+    lane: HeavyLane | None = None,
     vocabulary: Callable[[], Any] | None = None,
 ) -> APIRouter:
     """The fine-tuning routes (module docstring), over ``ledger`` and ``jobs`` (the same database).
@@ -126,8 +143,14 @@ def make_finetune_router(
     Args:
         reader, releaser: the app's auth dependencies for ``read`` and ``release`` scopes.
         bounded: the app's per-request CPU limit (wraps the sync handlers that compute).
+        cpu_limit_s: the per-request CPU limit; a corpus upload's check, hashing and writing run
+            in worker threads under it, all blocks together.
+        quotas: the tenants' quotas on stored corpora and unfinished jobs.
+        lane: the app's lane for CPU-heavy work (a corpus's blocks take turns in it).
         vocabulary: loader of the ``/text`` vocabulary (default: :mod:`gaussdp.text.web`'s).
     """
+    quotas = quotas or Quotas()
+    lane = lane or HeavyLane()
     import gaussdp.finetune  # noqa: F401  (imported now, not under a request's CPU limit)
 
     if model_paths:
@@ -214,25 +237,56 @@ def make_finetune_router(
                     f"vocabulary={vocabulary!r} is not this server's vocabulary ({vid})",
                 )
             local_dp = {"mechanism": mechanism, "sigma": sigma, "epsilon": epsilon, "vocabulary": vid}
+        count, stored = await anyio.to_thread.run_sync(jobs.corpus_usage, who.tenant)
+        room = quotas.max_corpus_bytes_per_tenant - stored
+        declared = request.headers.get("content-length")
+        if count >= quotas.max_corpora_per_tenant or (
+            declared and declared.isdigit() and int(declared) > room
+        ):
+            raise Refusal(  # before a byte of the body is read
+                "quota_exceeded",
+                f"this tenant stores {count} corpora of {stored} bytes; its quotas are "
+                f"max_corpora_per_tenant={quotas.max_corpora_per_tenant} and "
+                f"max_corpus_bytes_per_tenant={quotas.max_corpus_bytes_per_tenant}: delete some first",
+            )
         corpus_id = "corpus_" + secrets.token_urlsafe(12)
         final = corpus_path(root, who.tenant, corpus_id, format)
         final.parent.mkdir(parents=True, exist_ok=True)
         part = final.with_name(final.name + ".part")
         checker = CorpusChecker(format, words_all if mechanism else None, words_clean)
         digest = hashlib.sha256()
+        work = CPUBudget(cpu_limit_s)  # the check, hashing and writing of every block together
         size = 0
         try:
             with open(part, "wb") as fh:
+
+                def consume(block: bytes) -> None:
+                    digest.update(block)
+                    checker.feed(block)
+                    fh.write(block)
+
+                pending: list[bytes] = []
+                held = 0
                 async for chunk in request.stream():
                     if not chunk:
                         continue
                     size += len(chunk)
                     if size > MAX_CORPUS_BYTES:  # the middleware stops it too; this route's own check
                         raise HTTPException(413, _too_large())
-                    digest.update(chunk)
-                    checker.feed(chunk)
-                    fh.write(chunk)
-                checker.finish()
+                    if size > room:
+                        raise Refusal(
+                            "quota_exceeded",
+                            "this corpus would take the tenant's corpora past its quota "
+                            f"(max_corpus_bytes_per_tenant={quotas.max_corpus_bytes_per_tenant}, {stored} "
+                            "stored); nothing was stored",
+                        )
+                    pending.append(chunk)
+                    held += len(chunk)
+                    if held >= _BLOCK_BYTES:  # CPU work off the event loop, a block at a time
+                        await lane.run(work, consume, b"".join(pending))
+                        pending, held = [], 0
+                await lane.run(work, consume, b"".join(pending))
+                await lane.run(work, checker.finish)
                 fh.flush()
                 await anyio.to_thread.run_sync(os.fsync, fh.fileno())
             os.replace(part, final)
@@ -240,7 +294,14 @@ def make_finetune_router(
                 corpus_id, who.tenant, name, format, size, checker.records, digest.hexdigest(),
                 local_dp, str(final), time.time(),
             )  # fmt: skip
-            await anyio.to_thread.run_sync(jobs.add_corpus, row)
+            await anyio.to_thread.run_sync(
+                functools.partial(
+                    jobs.add_corpus,
+                    row,
+                    max_count=quotas.max_corpora_per_tenant,
+                    max_bytes=quotas.max_corpus_bytes_per_tenant,
+                )
+            )
         except BaseException:
             part.unlink(missing_ok=True)
             final.unlink(missing_ok=True)
@@ -331,7 +392,7 @@ def make_finetune_router(
             float(plan.delta), None, "charging", 0, int(plan.steps), 0.0, None, None, False, None, 0,
             None, time.time(), None, None, None,
         )  # fmt: skip
-        jobs.add_job(row)
+        jobs.add_job(row, max_active=quotas.max_jobs_per_tenant)  # QuotaExceeded: nothing stored or charged
         try:
             receipt = ledger.charge(principal, plan.event, job_id, key_id=who.key_id)
         except (PrivacyError, WorkLimitExceeded):
@@ -429,11 +490,9 @@ def make_finetune_router(
         row = owned_job(who.tenant, job_id)
         path = row.adapter_path or str(adapter_dir(root, who.tenant, job_id))
         if row.state != "succeeded" or not FsPath(path).is_dir():
-            return JSONResponse(
-                {"detail": f"the job is {row.state}: an adapter exists only once it has succeeded",
-                 "error": "job_not_succeeded"},
-                status_code=409,
-            )  # fmt: skip
+            raise Refusal(
+                "job_not_succeeded", f"the job is {row.state}: an adapter exists only once it has succeeded"
+            )
         return Response(
             adapter_zip(path),
             media_type="application/zip",

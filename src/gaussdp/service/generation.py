@@ -2,7 +2,8 @@
 the ledger (the routes and the WebSocket protocol are in :mod:`gaussdp.service.streaming`).
 
 Each step is one forward pass of the served model with a :class:`gaussdp.inference.HiddenStatePrivatizer`
-hooked on one transformer block (clip, charge, noise in the hook), under the model's lock, with the
+hooked on one transformer block (clip, charge, noise in the hook), under the model's lock (a turn of
+:class:`gaussdp.service.fairness.FairLock`: tenants take turns), with the
 charge made through :class:`ChargePerToken` so that it carries the token's idempotency key
 ``"<stream_id>/<index>"``. A step whose forward pass did not charge anything is refused before its
 token can leave. A step whose forward pass fails is never retried: it raises
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from gaussdp._worklimit import cpu_limit, no_cpu_limit
@@ -103,7 +104,7 @@ class Generation:
         *,
         model: Any,
         tokenizer: Any,
-        lock: threading.Lock,
+        lock: AbstractContextManager[Any],
         principal: str,
         charges: ChargePerToken,
         noise: str,

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from gaussdp.errors import InvalidParameter
+from gaussdp.errors import InvalidParameter, PrivacyError
 
 __all__ = [
     "ACTIVE_STATES",
@@ -42,6 +42,7 @@ __all__ = [
     "CorpusRow",
     "JobRow",
     "JobStore",
+    "QuotaExceeded",
     "worker_identity",
 ]
 
@@ -54,6 +55,10 @@ _JOB_COLUMNS = (
     "steps, epsilon_so_far, loss, error, cancel_requested, worker, attempts, heartbeat_at, created_at, "
     "started_at, finished_at, adapter_path"
 )
+
+
+class QuotaExceeded(PrivacyError):
+    """A tenant's quota (stored corpora, their bytes, unfinished jobs) would be passed: nothing stored."""
 
 
 @dataclass(frozen=True)
@@ -230,9 +235,44 @@ class JobStore:
                 conn.close()
                 self._local.conn = None
 
+    def _tenant_lock(self, x: Any, tenant: str) -> None:
+        """Serialize a tenant's quota-checked inserts (SQLite: the write lock of BEGIN IMMEDIATE)."""
+        if self.dialect == "postgres":
+            x("SELECT pg_advisory_xact_lock(hashtextextended(?, 29))", (tenant,))
+
     # -- corpora ---------------------------------------------------------------------------------
-    def add_corpus(self, c: CorpusRow) -> None:
+    def corpus_usage(self, tenant: str) -> tuple[int, int]:
+        """(corpora stored, their bytes) of ``tenant``."""
         with self._tx() as x:
+            n, size = x(
+                "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM {p}gdp_corpora WHERE tenant = ?", (tenant,)
+            ).fetchone()
+        return int(n), int(size)
+
+    def add_corpus(self, c: CorpusRow, *, max_count: int | None = None, max_bytes: int | None = None) -> None:
+        """Store the row; with ``max_count``/``max_bytes``, only if the tenant's corpora stay within
+        them (checked in the same transaction as the insert: concurrent uploads cannot pass them).
+
+        Raises:
+            QuotaExceeded: nothing was stored.
+        """
+        with self._tx(immediate=True) as x:
+            if max_count is not None or max_bytes is not None:
+                self._tenant_lock(x, c.tenant)
+                n, size = x(
+                    "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM {p}gdp_corpora WHERE tenant = ?",
+                    (c.tenant,),
+                ).fetchone()
+                if max_count is not None and int(n) + 1 > max_count:
+                    raise QuotaExceeded(
+                        f"this tenant stores {n} corpora, its quota (max_corpora_per_tenant={max_count}); "
+                        "delete one first"
+                    )
+                if max_bytes is not None and int(size) + c.bytes > max_bytes:
+                    raise QuotaExceeded(
+                        f"this tenant's corpora would hold {int(size) + c.bytes} bytes, more than its quota "
+                        f"(max_corpus_bytes_per_tenant={max_bytes}); delete some first"
+                    )
             x(
                 f"INSERT INTO {{p}}gdp_corpora ({_CORPUS_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
@@ -279,8 +319,26 @@ class JobStore:
         return _corpus(r)
 
     # -- jobs: the service -----------------------------------------------------------------------
-    def add_job(self, j: JobRow) -> None:
-        with self._tx() as x:
+    def add_job(self, j: JobRow, *, max_active: int | None = None) -> None:
+        """Store the row; with ``max_active``, only if the tenant then has at most that many jobs not
+        yet finished (charging, queued, running; checked in the insert's transaction).
+
+        Raises:
+            QuotaExceeded: nothing was stored.
+        """
+        with self._tx(immediate=True) as x:
+            if max_active is not None:
+                self._tenant_lock(x, j.tenant)
+                (n,) = x(
+                    "SELECT COUNT(*) FROM {p}gdp_finetune_jobs WHERE tenant = ? AND state IN "
+                    "('charging', 'queued', 'running')",
+                    (j.tenant,),
+                ).fetchone()
+                if int(n) + 1 > max_active:
+                    raise QuotaExceeded(
+                        f"this tenant has {n} fine-tuning jobs not finished, its quota "
+                        f"(max_jobs_per_tenant={max_active}); wait for one or cancel one"
+                    )
             x(
                 f"INSERT INTO {{p}}gdp_finetune_jobs ({_JOB_COLUMNS}) VALUES "
                 "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",

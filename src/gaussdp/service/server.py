@@ -1,4 +1,7 @@
-"""Run the service with uvicorn: in the foreground (``gaussdp serve``) or in a background thread."""
+"""Run the service with uvicorn: in the foreground (``gaussdp serve``) or in a background thread.
+
+Every server runs with the WebSocket bounds of :mod:`gaussdp.service.bounds` (messages of at most
+128 KiB, no compression, no reading ahead of the application)."""
 
 from __future__ import annotations
 
@@ -10,11 +13,18 @@ from typing import Any
 __all__ = ["ServerThread", "serve", "serve_factory"]
 
 
+def uvicorn_options() -> dict[str, Any]:
+    """The WebSocket bounds every server of the service runs with (see :mod:`gaussdp.service.bounds`)."""
+    from gaussdp.service.bounds import uvicorn_options as options
+
+    return options()
+
+
 def serve(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
     """Serve ``app`` until interrupted."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, **uvicorn_options())
 
 
 def serve_factory(
@@ -41,6 +51,7 @@ def serve_factory(
         ssl_keyfile=ssl_keyfile,
         log_level=log_level,
         timeout_graceful_shutdown=5,
+        **uvicorn_options(),
     )
 
 
@@ -52,7 +63,7 @@ class ServerThread:
     """
 
     def __init__(
-        self, app: Any, host: str = "127.0.0.1", log_level: str = "warning", ws: str = "none"
+        self, app: Any, host: str = "127.0.0.1", log_level: str = "warning", ws: bool = False
     ) -> None:
         import uvicorn
 
@@ -60,12 +71,11 @@ class ServerThread:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, 0))  # bound before uvicorn starts: no race for the port
         self.host, self.port = self._sock.getsockname()[:2]
+        options = uvicorn_options()
+        if not ws:
+            options["ws"] = "none"
         config = uvicorn.Config(
-            app,
-            log_level=log_level,
-            access_log=False,
-            timeout_graceful_shutdown=2,
-            ws=ws,
+            app, log_level=log_level, access_log=False, timeout_graceful_shutdown=2, **options
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(

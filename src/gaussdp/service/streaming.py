@@ -15,42 +15,64 @@ whole generation at once (:class:`~gaussdp.service.models.GenerateOut`). When th
 after at least one token, the answer is 200 with the tokens so far, ``finish_reason``
 ``"budget_exhausted"`` and ``error``; at the first token it is 409 ``budget_exhausted`` (nothing
 charged, nothing generated). A retry with the same ``idempotency_key`` is refused with 409
-``idempotency_key_used`` (the first answer is the only one; nothing is charged twice).
+``idempotency_key_used`` (the first answer is the only one; nothing is charged twice). A key revoked
+during the generation stops it before the next charge (the tokens so far are answered, with the
+error ``unauthorized``).
 
 WebSocket protocol (``/v1/sessions/{id}/generate``)
 ---------------------------------------------------
-Authentication: the ``Authorization: Bearer <API key>`` header of the upgrade request (scope
-``release``), or, for browsers (which cannot set headers on a WebSocket), an ``"api_key"`` field in
-the start message. Giving both is refused; a key in the URL is never read (URLs are logged).
+Authentication comes from the upgrade request, before any message is read
+(:mod:`gaussdp.service.deps`): the ``Authorization: Bearer <API key>`` header (scope ``release``),
+or, for browsers (which cannot set headers on a WebSocket), the subprotocols
+``["gaussdp.v1", "gaussdp.key.<API key>"]`` (the server selects ``gaussdp.v1``). Giving both is
+refused; a key in the URL or in a message is never read. The key, its scope and rate, and the
+tenant's share of generation slots are checked on the upgrade request: a refusal is the HTTP
+answer to it (401, 403, 422, 429 with ``Retry-After``; body ``{"detail", "error"}``) and the
+WebSocket never opens, so nothing the client sends is read. A 401 comes after
+:data:`UNAUTHORIZED_DELAY_S` (0.25 s): a loop of upgrades without a key costs the server a
+sleeping coroutine each, not a busy event loop. (Under an ASGI server without the
+WebSocket denial extension, the stream opens, sends the error and closes with its code.)
 
-1. Client -> server, within :data:`START_TIMEOUT_S`: the start message, a JSON object with the
-   fields of :class:`~gaussdp.service.models.GenerateIn`, plus optionally ``"api_key"`` and
-   ``"window"`` (an integer >= 1, default ``max_new_tokens``: see flow control).
+1. Client -> server, within :data:`START_TIMEOUT_S`: the start message, a JSON object of at most
+   :data:`~gaussdp.service.bounds.WS_MAX_MESSAGE_BYTES` bytes with the fields of
+   :class:`~gaussdp.service.models.GenerateIn`, plus optionally ``"window"`` (an integer >= 1,
+   default ``max_new_tokens``: see flow control).
 2. Server -> client: ``{"type": "start", "stream_id", "model", "layer", "prompt_tokens",
    "max_new_tokens", "window", "sigma", "clip_norm", "neighbouring", "sensitivity",
    "noise_multiplier"}``.
 3. Server -> client, per token, each sent only after its charge was recorded durably:
    ``{"type": "token", "index", "token_id", "text", "charge_id"}``.
 4. Client -> server, at any time: ``{"ack": n}`` (the client has received ``n`` tokens) and
-   ``{"stop": true}`` (end the stream after the token in flight, if any). Any other message ends
-   the stream with the error ``invalid``.
+   ``{"stop": true}`` (end the stream after the token in flight, if any), each at most
+   :data:`CONTROL_MAX_BYTES` bytes, at most ``2 * max_new_tokens + 16`` of them. Any other message
+   (not JSON, too deep, too large, binary, too many) ends the stream with its error (``invalid``,
+   ``json_too_deep``, ``too_large``).
 5. The end, then the server closes: ``{"type": "end", "finish_reason": "length" | "eos" | "stopped"
-   | "idle", "tokens_sent", "spent", "remaining"}`` with code 1000, or ``{"type": "error", "error":
-   CODE, "detail", "tokens_sent", ...}`` with the close code of :data:`CLOSE_CODES`. On exhaustion:
-   ``{"type": "error", "error": "budget_exhausted", "tokens_sent": k, "spent": {...},
-   "remaining": {...}}`` and close code :data:`CLOSE_BUDGET_EXHAUSTED` (4402). When a token's
-   forward pass fails (it is never retried): ``{"type": "error", "error": "generation_failed",
-   "detail", "tokens_sent": k, "tokens_charged": k or k + 1, "charged_not_sent": [] or [{"index",
-   "charge_id", "idempotency_key"}]}`` and close code 1011, whose reason repeats the two counts
+   | "idle" | "time_limit", "tokens_sent", "spent", "remaining"}`` with code 1000, or ``{"type":
+   "error", "error": CODE, "detail", "tokens_sent", ...}`` with the close code of that error in
+   :data:`gaussdp.service.errors.ERRORS` (:data:`CLOSE_CODES`). On exhaustion: ``{"type": "error",
+   "error": "budget_exhausted", "tokens_sent": k, "spent": {...}, "remaining": {...}}`` and close
+   code :data:`CLOSE_BUDGET_EXHAUSTED` (4402). When a token's forward pass fails (it is never
+   retried): ``{"type": "error", "error": "generation_failed", "detail", "tokens_sent": k,
+   "tokens_charged": k or k + 1, "charged_not_sent": [] or [{"index", "charge_id",
+   "idempotency_key"}]}`` and close code 1011, whose reason repeats the two counts
    (``"generation_failed: charged N, sent K"``): the failed token's charge, when it was recorded
-   before the failure, stands and is named; nothing from that token was released.
+   before the failure, stands and is named; nothing from that token was released. A key revoked (or
+   expired) during the stream ends it
+   with ``unauthorized`` (4401) within 1 s (within 0.5 s of the key cache, plus at most 0.25 s
+   between two looks while the stream waits for an ack, or the forward pass in flight), before any
+   further charge: ``tokens_sent`` equals the stream's charges.
 
 Flow control: the server computes (and charges) token ``i`` only when ``i < acked + window``, where
 ``acked`` is the client's latest ``ack`` (at most the tokens sent), and only while the client is
 connected (checked before each token's forward pass). The default window lets the server run
 ahead freely; ``window=1`` makes the stream pull-driven (token ``i`` is computed once the client
 acknowledged token ``i - 1``): the Python client (:class:`gaussdp.client.GaussDPClient`) uses it.
-The server waits at most :data:`IDLE_TIMEOUT_S` for an ack, then ends with ``"idle"``.
+
+Time limits, whatever the client sends: the server waits at most ``stream_idle_s`` (default
+:data:`IDLE_TIMEOUT_S`) since the last token (or the start) for an ack that lets the next token go,
+then ends with ``"idle"`` (acks that do not advance do not extend it); a stream lasts at most
+``max_stream_s`` (default :data:`MAX_STREAM_S`), then ends with ``"time_limit"``.
 
 What a client that leaves is charged: every charged token is sent unless the client disconnected
 during that token's forward pass (the charge is made inside it); tokens are never sent uncharged.
@@ -64,11 +86,13 @@ the stream's charges.
 Work per request is bounded: at most :data:`~gaussdp.service.models.MAX_NEW_TOKENS` tokens and
 :data:`~gaussdp.service.models.MAX_PROMPT_TOKENS` prompt tokens (and the model's context), one
 forward pass per token, the ledger's numeric work of each charge under the service's ``cpu_limit_s``
-(the forward passes are bounded by the token caps and the model's size, not by it), at most
-:data:`MAX_ACTIVE_GENERATIONS` generations at once per worker (past it: 429 / close 4429). Forward
-passes run in the thread pool, never on the event loop; passes of one model take turns (a lock per
+(the forward passes are bounded by the token caps and the model's size, not by it). Fair shares
+(:mod:`gaussdp.service.fairness`): a generation holds one of its tenant's ``max_streams_per_tenant``
+slots, under ``max_streams`` in all per worker, from authentication to its end, whatever its privacy
+cost (past either: 429 ``too_many_generations``, the upgrade refused). Forward passes run in the thread
+pool, never on the event loop; passes of one model take turns tenant by tenant (a fair lock per
 model: the privatizer's hook is on the shared module for the duration of one pass), so streams of
-other sessions interleave token by token.
+other tenants interleave token by token.
 """
 
 # No "from __future__ import annotations": FastAPI resolves the route's annotations at runtime.
@@ -78,11 +102,12 @@ import json
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Request, WebSocket
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Path, Request, WebSocket
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -92,86 +117,53 @@ from gaussdp.budget import (
     Ledger,
     LedgerContention,
     StoreUnavailable,
-    TenantLimitExceeded,
 )
 from gaussdp.errors import InvalidParameter, PrivacyError, WorkLimitExceeded
 from gaussdp.service.auth import Caller
+from gaussdp.service.bounds import WS_MAX_MESSAGE_BYTES, loads_bounded
+from gaussdp.service.deps import Gate, websocket_key
+from gaussdp.service.errors import ERRORS, IdempotencyKeyUsed, Refusal, close_code, code_of, detail_of
+from gaussdp.service.errors import responses as error_responses
+from gaussdp.service.fairness import (
+    DEFAULT_MAX_STREAMS,
+    DEFAULT_MAX_STREAMS_PER_TENANT,
+    FairLock,
+    TenantSlots,
+)
 from gaussdp.service.generation import ChargePerToken, Generation, GenerationFailed
 from gaussdp.service.models import (
-    MAX_NEW_TOKENS,
     SESSION_ID_PATTERN,
-    ErrorOut,
     GeneratedToken,
     GenerateIn,
     GenerateOut,
     Privacy,
 )
-from gaussdp.service.responses import IdempotencyKeyUsed
 
 __all__ = [
     "CLOSE_BUDGET_EXHAUSTED",
     "CLOSE_CODES",
+    "CONTROL_MAX_BYTES",
     "IDLE_TIMEOUT_S",
-    "MAX_ACTIVE_GENERATIONS",
+    "MAX_STREAM_S",
     "START_TIMEOUT_S",
+    "StreamLimits",
     "generation_router",
 ]
 
 logger = logging.getLogger("gaussdp.service")
 
 CLOSE_NORMAL = 1000
-CLOSE_BUDGET_EXHAUSTED = 4402
-#: WebSocket close code of each error (4000 + the HTTP status the POST route answers for it).
-CLOSE_CODES = {
-    "unauthorized": 4401,
-    "budget_exhausted": CLOSE_BUDGET_EXHAUSTED,
-    "forbidden": 4403,
-    "not_found": 4404,
-    "timeout": 4408,
-    "idempotency_key_used": 4409,
-    "ledger_contention": 4409,
-    "tenant_limit_exceeded": 4409,
-    "invalid": 4422,
-    "work_limit_exceeded": 4422,
-    "rate_limited": 4429,
-    "database_unavailable": 4503,
-    "generation_failed": 1011,
-    "internal": 1011,
-}
-_HTTP_ERRORS = {401: "unauthorized", 403: "forbidden", 404: "not_found", 422: "invalid", 429: "rate_limited"}
-_GENERATION_FAILED = {
-    "model": ErrorOut,
-    "description": "generation_failed: the first token's forward pass failed (never retried); the "
-    "detail says whether its charge was recorded (it then stands, with its charge_id).",
-}
+CLOSE_BUDGET_EXHAUSTED = ERRORS["budget_exhausted"].close
+#: WebSocket close code of each error, from the service's one table (gaussdp.service.errors).
+CLOSE_CODES = {code: kind.close for code, kind in ERRORS.items()}
 START_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 60.0
-MAX_ACTIVE_GENERATIONS = 32
+MAX_STREAM_S = 300.0
+#: Largest message a client may send once the stream has started (an ack or a stop).
+CONTROL_MAX_BYTES = 1024
+KEY_RECHECK_S = 0.25  # a waiting stream re-checks its key this often (the key cache adds 0.5 s)
+UNAUTHORIZED_DELAY_S = 0.25  # an upgrade without a valid key is refused after this
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
-
-
-def _error_code(exc: BaseException) -> str:
-    """The stable code of an error that ends a generation."""
-    if isinstance(exc, TenantLimitExceeded):
-        return "tenant_limit_exceeded"
-    if isinstance(exc, BudgetExhausted):
-        return "budget_exhausted"
-    if isinstance(exc, IdempotencyKeyUsed):
-        return "idempotency_key_used"
-    if isinstance(exc, LedgerContention):
-        return "ledger_contention"
-    if isinstance(exc, StoreUnavailable):
-        return "database_unavailable"
-    if isinstance(exc, WorkLimitExceeded):
-        return "work_limit_exceeded"
-    if isinstance(exc, GenerationFailed):
-        return "generation_failed"
-    if isinstance(exc, HTTPException):
-        return _HTTP_ERRORS.get(exc.status_code, "invalid")
-    if isinstance(exc, PrivacyError | ValidationError | RequestValidationError):
-        return "invalid"
-    return "internal"
-
 
 _REFUSALS = (
     BudgetExhausted,
@@ -179,48 +171,59 @@ _REFUSALS = (
     LedgerContention,
     StoreUnavailable,
     WorkLimitExceeded,
+    Refusal,
 )
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """Fair shares and time limits of generations (``gaussdp serve`` options of the same names)."""
+
+    max_streams: int = DEFAULT_MAX_STREAMS
+    max_streams_per_tenant: int = DEFAULT_MAX_STREAMS_PER_TENANT
+    max_stream_s: float = MAX_STREAM_S
+    stream_idle_s: float = IDLE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        TenantSlots(self.max_streams, self.max_streams_per_tenant)  # validates both
+        for name in ("max_stream_s", "stream_idle_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 < value < float("inf")):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {name}={value!r}")
+
+
+def _revoked() -> Refusal:
+    return Refusal(
+        "unauthorized", "the API key was revoked or expired during the generation; nothing more was charged"
+    )
 
 
 def generation_router(
     *,
     ledger: Ledger,
+    gate: Gate,
     releaser: Any,
-    authenticate: Callable[[str | None], Caller],
     owned: Callable[[str, str], str],
     noise: str,
     cpu_limit_s: float,
     on_charged: Callable[[Caller, Any], None],
     on_refused: Callable[[str], None],
     responses: dict[int | str, dict[str, Any]],
+    limits: StreamLimits | None = None,
 ) -> APIRouter:
     """The ``generate`` routes (POST and WebSocket) of :func:`gaussdp.service.app.create_app`.
 
     Args:
+        gate: the app's API keys (the WebSocket route authenticates from the upgrade request).
         releaser: the dependency that authenticates a POST (scope ``release``).
-        authenticate: API key (or ``None``) -> caller of scope ``release``; raises ``HTTPException``
-            (401, 403, 429) as the HTTP routes do.
         owned: ``(tenant, session_id) -> principal``; raises ``HTTPException(404)``.
+        limits: fair shares and time limits (defaults: :class:`StreamLimits`).
     """
+    lim = limits or StreamLimits()
     router = APIRouter(tags=["inference"])
-    model_locks: dict[str, threading.Lock] = {}
-    active = {"n": 0}
+    model_locks: dict[str, FairLock] = {}
+    slots = TenantSlots(lim.max_streams, lim.max_streams_per_tenant)
     guard = threading.Lock()
-
-    def begin() -> None:
-        with guard:
-            if active["n"] >= MAX_ACTIVE_GENERATIONS:
-                on_refused("rate_limited")
-                raise HTTPException(
-                    429,
-                    f"this worker runs {MAX_ACTIVE_GENERATIONS} generations already; retry later",
-                    headers={"Retry-After": "1"},
-                )
-            active["n"] += 1
-
-    def end() -> None:
-        with guard:
-            active["n"] -= 1
 
     def generation(app: Any, body: GenerateIn, p: str, who: Caller) -> Generation:
         models = getattr(app.state, "models", None) or {}
@@ -229,17 +232,23 @@ def generation_router(
             raise InvalidParameter(f"model: no model named {body.model!r} on this server")
         tokenizer = (getattr(app.state, "tokenizers", None) or {}).get(body.model)
         with guard:
-            lock = model_locks.setdefault(body.model, threading.Lock())
+            lock = model_locks.setdefault(body.model, FairLock())
         charges = ChargePerToken(ledger, who.key_id, lambda r: on_charged(who, r), cpu_limit_s)
         return Generation(
             body,
             model=model,
             tokenizer=tokenizer,
-            lock=lock,
+            lock=lock.turn(who.tenant),
             principal=p,
             charges=charges,
             noise=noise,
         )
+
+    def checked_step(gen: Generation, who: Caller, i: int) -> GeneratedToken:
+        """Token ``i``, unless the caller's key was revoked (checked before the pass that charges)."""
+        if not gate.alive(who):
+            raise _revoked()
+        return gen.step(i)
 
     def spent_remaining(p: str, receipt: Any = None) -> dict[str, Privacy]:
         budget, spent = ledger.budget(p), ledger.spent(p, as_of=receipt)
@@ -251,7 +260,7 @@ def generation_router(
     @router.post(
         "/v1/sessions/{session_id}/generate",
         response_model=GenerateOut,
-        responses={**responses, 500: _GENERATION_FAILED},
+        responses={**responses, **error_responses(500)},
     )
     def generate(
         session_id: Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The session's id.")],
@@ -271,23 +280,24 @@ def generation_router(
         never retried: after the first token the answer holds the tokens so far with
         ``finish_reason`` ``error``, ``error`` ``generation_failed`` and a ``detail`` that says
         whether the failed token was charged (its charge_id); at the first token, 500
-        ``generation_failed`` with that detail. The WebSocket route of the same path streams the
-        tokens (see :mod:`gaussdp.service.streaming`).
+        ``generation_failed`` with that detail. Holds one of the tenant's generation slots (429
+        ``too_many_generations`` when none is free).
+        The WebSocket route of the same path streams the tokens (see :mod:`gaussdp.service.streaming`).
         """
         p = owned(who.tenant, session_id)
-        begin()
+        slots.acquire(who.tenant)
         try:
             gen = generation(request.app, body, p, who)
             tokens: list[GeneratedToken] = []
             finish, error, detail = "length", None, None
             for i in range(body.max_new_tokens):
                 try:
-                    tok = gen.step(i)
+                    tok = checked_step(gen, who, i)
                 except (*_REFUSALS, PrivacyError) as exc:  # nothing charged for this token
                     if not tokens:
                         raise
                     # the tokens so far were charged: they are answered, with the refusal
-                    error, detail = _error_code(exc), str(exc)
+                    error, detail = code_of(exc), detail_of(exc)
                     finish = "budget_exhausted" if error == "budget_exhausted" else "error"
                     break
                 except GenerationFailed as exc:
@@ -303,7 +313,7 @@ def generation_router(
                     finish = "eos"
                     break
         finally:
-            end()
+            slots.release(who.tenant)
         figures = spent_remaining(p, gen.last_receipt)
         return GenerateOut(
             stream_id=gen.stream_id,
@@ -321,7 +331,6 @@ def generation_router(
 
     @router.websocket("/v1/sessions/{session_id}/generate")
     async def generate_stream(websocket: WebSocket, session_id: str) -> None:
-        await websocket.accept()
         stream = _Stream(websocket)
         try:
             await stream.run(session_id)
@@ -329,23 +338,31 @@ def generation_router(
             logger.exception("generation stream failed")
             await stream.fail(exc)
         finally:
-            stream.stop_receiving()
+            stream.finish()
 
     class _Stream:
-        """One WebSocket generation: the start message, flow control, token by token."""
+        """One WebSocket generation: authentication, the start message, flow control, token by token."""
 
         def __init__(self, ws: WebSocket) -> None:
             self.ws = ws
+            self.accepted = False
             self.sent = 0
             self.acked = 0
-            self.window = MAX_NEW_TOKENS
+            self.window = 1
+            self.received = 0
+            self.max_messages = 16
             self.stop = False
             self.gone = False
-            self.bad: str | None = None
+            self.bad: BaseException | None = None
             self.changed = asyncio.Event()
             self.receiver: asyncio.Task[None] | None = None
             self.p: str | None = None
-            self.begun = False
+            self.slot: str | None = None
+
+        async def accept(self, subprotocol: str | None = None) -> None:
+            if not self.accepted:
+                self.accepted = True
+                await self.ws.accept(subprotocol=subprotocol)
 
         async def send(self, message: dict[str, Any]) -> bool:
             try:
@@ -362,13 +379,18 @@ def generation_router(
                 except Exception:  # already closed by the client
                     self.gone = True
 
-        async def fail(self, exc: BaseException, code: str | None = None) -> None:
-            code = code or _error_code(exc)
+        async def fail(self, exc: BaseException) -> None:
+            code = code_of(exc)
             on_refused(code)
-            detail = exc.detail if isinstance(exc, HTTPException) else str(exc)
-            if code == "internal" and not isinstance(exc, TimeoutError):
+            detail = detail_of(exc)
+            if code == "internal":
                 detail = "internal error; the tokens sent so far were charged, nothing else was"
-            message = {"type": "error", "error": code, "detail": detail, "tokens_sent": self.sent}
+            message: dict[str, Any] = {
+                "type": "error",
+                "error": code,
+                "detail": detail,
+                "tokens_sent": self.sent,
+            }
             reason = None
             if isinstance(exc, GenerationFailed):
                 lost = (
@@ -381,81 +403,126 @@ def generation_router(
                 reason = f"generation_failed: charged {charged}, sent {self.sent}"
             if self.p is not None and code == "budget_exhausted":
                 try:
-                    message.update(
-                        {
-                            k: v.model_dump()
-                            for k, v in (await run_in_threadpool(spent_remaining, self.p)).items()
-                        }
-                    )
+                    figures = await run_in_threadpool(spent_remaining, self.p)
+                    message.update({k: v.model_dump() for k, v in figures.items()})
                 except Exception:  # the figures are a courtesy; the refusal stands
                     logger.warning("could not read the spent budget of %s", self.p)
+            await self.accept()
             if await self.send(message):
-                await self.close(CLOSE_CODES[code], reason)
+                await self.close(close_code(code), reason)
 
-        def stop_receiving(self) -> None:
+        def finish(self) -> None:
             if self.receiver is not None:
                 self.receiver.cancel()
-            if self.begun:
-                self.begun = False
-                end()
+            if self.slot is not None:
+                slots.release(self.slot)
+                self.slot = None
 
         async def receive_loop(self) -> None:
-            while True:
-                msg = await self.ws.receive()
-                if msg["type"] == "websocket.disconnect":
-                    self.gone = True
+            """Acks and stops, each bounded before it is parsed; any other message ends the stream
+            with its error (the loop never dies silently: the token loop is woken either way)."""
+            try:
+                while self.bad is None:
+                    msg = await self.ws.receive()
+                    if msg["type"] == "websocket.disconnect":
+                        self.gone = True
+                        return
+                    self.received += 1
+                    self.control(msg)
                     self.changed.set()
-                    return
-                try:
-                    data = json.loads(msg.get("text") or "")
-                except ValueError:
-                    data = None
-                ack = data.get("ack") if isinstance(data, dict) and set(data) == {"ack"} else None
-                if isinstance(ack, int) and not isinstance(ack, bool) and ack >= 0:
-                    self.acked = max(self.acked, min(ack, self.sent))
-                elif data == {"stop": True}:
-                    self.stop = True
-                else:
-                    self.bad = 'messages during a stream are {"ack": n} or {"stop": true}'
+            except Exception as exc:  # the connection broke under us: the client is gone
+                logger.info("generation stream: receive failed (%s)", type(exc).__name__)
+                self.gone = True
+            finally:
                 self.changed.set()
-                if self.bad is not None:
-                    return
+
+        def control(self, msg: Any) -> None:
+            if self.received > self.max_messages:
+                self.bad = Refusal("invalid", f"more than {self.max_messages} messages during one stream")
+                return
+            text = msg.get("text")
+            if text is None:
+                self.bad = Refusal("invalid", "messages are JSON text frames, not binary")
+                return
+            try:
+                data = loads_bounded(text, max_bytes=CONTROL_MAX_BYTES, what="message during a stream")
+            except Refusal as exc:
+                self.bad = exc
+                return
+            ack = data.get("ack") if isinstance(data, dict) and set(data) == {"ack"} else None
+            if isinstance(ack, int) and not isinstance(ack, bool) and ack >= 0:
+                self.acked = max(self.acked, min(ack, self.sent))
+            elif data == {"stop": True}:
+                self.stop = True
+            else:
+                self.bad = Refusal("invalid", 'messages during a stream are {"ack": n} or {"stop": true}')
 
         async def start_message(self) -> dict[str, Any] | None:
             try:
                 msg = await asyncio.wait_for(self.ws.receive(), START_TIMEOUT_S)
             except TimeoutError:
-                await self.fail(TimeoutError(f"no start message within {START_TIMEOUT_S:g} s"), "timeout")
+                await self.fail(Refusal("timeout", f"no start message within {START_TIMEOUT_S:g} s"))
                 return None
             if msg["type"] == "websocket.disconnect":
                 self.gone = True
                 return None
+            text = msg.get("text")
+            if text is None:
+                await self.fail(Refusal("invalid", "the start message is a JSON text frame (GenerateIn)"))
+                return None
             try:
-                start = json.loads(msg.get("text") or "")
-            except ValueError:
-                start = None
+                start = loads_bounded(text, max_bytes=WS_MAX_MESSAGE_BYTES, what="the start message")
+            except Refusal as exc:
+                await self.fail(exc)
+                return None
             if not isinstance(start, dict):
-                await self.fail(InvalidParameter("the start message must be a JSON object (GenerateIn)"))
+                await self.fail(Refusal("invalid", "the start message must be a JSON object (GenerateIn)"))
                 return None
             return start
 
+        async def deny(self, exc: Refusal) -> None:
+            """Refuse the upgrade itself with the refusal's HTTP status: the stream never opens, and
+            nothing the client sends is read (a server without the ASGI denial extension: the
+            error message and its close code instead)."""
+            if "websocket.http.response" not in self.ws.scope.get("extensions", {}):
+                await self.fail(exc)
+                return
+            code = code_of(exc)
+            on_refused(code)
+            self.gone = True
+            body = json.dumps({"detail": detail_of(exc), "error": code}).encode()
+            # the server frames the body itself (Content-Length, Content-Type): passing ours too
+            # would send each header twice (uvicorn's websockets-sansio adds its own)
+            headers = [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()]
+            await self.ws.send(
+                {"type": "websocket.http.response.start", "status": exc.status_code, "headers": headers}
+            )
+            await self.ws.send({"type": "websocket.http.response.body", "body": body})
+
         async def run(self, session_id: str) -> None:
+            # 1. who, and 2. the tenant's share (held from now on, whatever the stream costs): from
+            # the upgrade request alone, refused before the WebSocket opens
+            try:
+                key, subprotocol = websocket_key(self.ws.headers, list(self.ws.scope.get("subprotocols", [])))
+                if key is None:  # no key: no database, no thread
+                    gate.authenticate(None)
+                who = await run_in_threadpool(gate.authenticate, key, "release")
+                slots.acquire(who.tenant)
+            except Refusal as exc:
+                if exc.code == "unauthorized":
+                    # a client without a valid key waits before its refusal: a loop of hostile
+                    # upgrades costs the server a sleeping coroutine, not a busy event loop
+                    await asyncio.sleep(UNAUTHORIZED_DELAY_S)
+                await self.deny(exc)
+                return
+            self.slot = who.tenant
+            await self.accept(subprotocol)
+            # 3. the start message: bounded in size, depth and time
             start = await self.start_message()
             if start is None:
                 return
-            header = self.ws.headers.get("authorization")
-            key = start.pop("api_key", None)
             window = start.pop("window", None)
-            if header is not None and key is not None:
-                await self.fail(
-                    InvalidParameter("give the API key in the header or in the message, not both")
-                )
-                return
-            if header is not None:
-                scheme, _, credentials = header.partition(" ")
-                key = credentials.strip() if scheme.lower() == "bearer" else None
             try:
-                who = await run_in_threadpool(authenticate, key if isinstance(key, str) else None)
                 if not _SESSION_ID.match(session_id):
                     raise InvalidParameter(f"session_id must match {SESSION_ID_PATTERN}")
                 self.p = p = await run_in_threadpool(owned, who.tenant, session_id)
@@ -466,40 +533,54 @@ def generation_router(
                     self.window = window
                 else:
                     self.window = body.max_new_tokens
-                begin()
-                self.begun = True
+                self.max_messages = 2 * body.max_new_tokens + 16
                 gen = await run_in_threadpool(generation, self.ws.app, body, p, who)
-            except (HTTPException, PrivacyError, ValidationError) as exc:
-                if isinstance(exc, ValidationError):
-                    exc = InvalidParameter(
-                        "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-                    )
+            except ValidationError as exc:
+                issues = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+                await self.fail(InvalidParameter(issues))
+                return
+            except (Refusal, PrivacyError) as exc:
                 await self.fail(exc)
                 return
+            await self.generate(gen, body, who, p)
+
+        async def generate(self, gen: Generation, body: GenerateIn, who: Caller, p: str) -> None:
             info = {"stream_id": gen.stream_id, "model": body.model, "prompt_tokens": gen.prompt_tokens}
             info.update(max_new_tokens=body.max_new_tokens, window=self.window, **gen.describe())
             if not await self.send({"type": "start", **info}):
                 return
             self.receiver = asyncio.create_task(self.receive_loop())
+            now = time.monotonic
+            deadline = now() + lim.max_stream_s
+            progress = now()  # the last token sent (or the start): the idle time counts from it
             finish = "length"
             for i in range(body.max_new_tokens):
                 while not (self.gone or self.stop or self.bad) and i >= self.acked + self.window:
+                    left = min(deadline - now(), progress + lim.stream_idle_s - now())
+                    if left <= 0:
+                        finish = "time_limit" if now() >= deadline else "idle"
+                        break
                     self.changed.clear()
                     try:
-                        await asyncio.wait_for(self.changed.wait(), IDLE_TIMEOUT_S)
+                        await asyncio.wait_for(self.changed.wait(), min(left, KEY_RECHECK_S))
                     except TimeoutError:
-                        finish = "idle"
-                        break
+                        pass
+                    if not await run_in_threadpool(gate.alive, who):
+                        await self.fail(_revoked())
+                        return
                 if self.gone:
                     return  # charges == tokens sent: nothing is in flight
                 if self.bad is not None:
-                    await self.fail(InvalidParameter(self.bad))
+                    await self.fail(self.bad)
                     return
-                if self.stop or finish == "idle":
+                if self.stop or finish != "length":
                     finish = "stopped" if self.stop else finish
                     break
+                if now() >= deadline:
+                    finish = "time_limit"
+                    break
                 try:
-                    tok = await run_in_threadpool(gen.step, i)
+                    tok = await run_in_threadpool(checked_step, gen, who, i)
                 except (*_REFUSALS, PrivacyError, GenerationFailed) as exc:
                     await self.fail(exc)
                     return
@@ -508,6 +589,7 @@ def generation_router(
                 if not await self.send({"type": "token", **tok.model_dump()}):
                     return
                 self.sent += 1
+                progress = now()
                 if gen.eos is not None and tok.token_id == gen.eos:
                     finish = "eos"
                     break

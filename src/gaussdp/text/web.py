@@ -86,6 +86,11 @@ def _default_vocabulary() -> Vocabulary:
     return shipped_vocabulary()
 
 
+_SCRIPT: dict[int | str, dict[str, Any]] = {
+    200: {"description": "JavaScript.", "content": {"text/javascript": {"schema": {"type": "string"}}}}
+}
+
+
 def make_router(
     vocabulary: Vocabulary | Callable[[], Vocabulary] | None = None,
     *,
@@ -119,7 +124,7 @@ def make_router(
     def page() -> HTMLResponse:
         return HTMLResponse(_static("text.html"))
 
-    @api.get("/text/static/text.js", summary="The page's script")
+    @api.get("/text/static/text.js", summary="The page's script", response_class=Response, responses=_SCRIPT)
     def script() -> Response:
         return Response(_static("text.js"), media_type="text/javascript")
 
@@ -174,11 +179,21 @@ def make_router(
         report["unknown_words"] = UNKNOWN_WORDS_SUBWORDS if v.subwords is not None else UNKNOWN_WORDS_ZERO
         return report
 
-    @api.get("/text/static/text_core.js", summary="The perturbation code shared by page and worker")
+    @api.get(
+        "/text/static/text_core.js",
+        summary="The perturbation code shared by page and worker",
+        response_class=Response,
+        responses=_SCRIPT,
+    )
     def core_script() -> Response:
         return Response(_static("text_core.js"), media_type="text/javascript")
 
-    @api.get("/text/static/text_worker.js", summary="The Web Worker that perturbs long texts")
+    @api.get(
+        "/text/static/text_worker.js",
+        summary="The Web Worker that perturbs long texts",
+        response_class=Response,
+        responses=_SCRIPT,
+    )
     def worker_script() -> Response:
         return Response(_static("text_worker.js"), media_type="text/javascript")
 
