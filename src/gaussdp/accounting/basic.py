@@ -45,6 +45,10 @@ def leaf_epsilon(leaf: Event, delta: float) -> float:
 class BasicComposition(Accountant):
     """(sum eps_i, sum delta_i)-DP for the composition of (eps_i, delta_i)-DP releases (add/remove).
 
+    Accepted domain: every event with an exact one-release profile and every (epsilon, delta) event;
+    every delta in (0, 1) (per-release shares down to the smallest float, 5e-324). A delta not above
+    the (epsilon, delta) events' own total is refused.
+
     References:
         Dwork, C. & Roth, A. (2014). The Algorithmic Foundations of Differential Privacy,
         Theorem 3.16 (basic composition).

@@ -174,6 +174,12 @@ class RDPAccountant(Accountant):
             (1.005 ... 10000: 1.005-1.05 geometric, then every 0.05 up to 12, every integer
             to 64, 40 more up to 10000; a superset of dp_accounting's default orders).
 
+    Accepted domain: Gaussian, Poisson- and replace-one-subsampled Gaussian, fixed-size batch,
+    Laplace, discrete Gaussian and pure (epsilon, 0) events, every parameter they accept; every delta
+    in (0, 1). An order whose RDP cannot be computed within bounded work (a fractional order at noise
+    multipliers below ~2.4e-3; a replace-one order past 2e5 integration points) is left out of the
+    minimum, which stays a bound; epsilon above 1e6 is refused.
+
     References:
         Mironov, I. (2017). Renyi Differential Privacy. CSF.
         Mironov, I., Talwar, K. & Zhang, L. (2019). Renyi Differential Privacy of the Sampled
