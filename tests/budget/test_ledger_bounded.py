@@ -225,8 +225,8 @@ def test_rows_charged_as_one_event_are_bounded_too(ledger_url: str) -> None:
     with Ledger(ledger_url) as led:
         led.open("p", Budget(epsilon=1e3, delta=1e-10))
         t = time.thread_time()
-        led.charge("p", SelfComposedEvent(GaussianEvent(noise_multiplier=1e12 / 2e-6), 1 << 16))
-        led.charge("p", GaussianEvent(noise_multiplier=1e12 / 1e-6))
+        led.charge("p", SelfComposedEvent(GaussianEvent(noise_multiplier=1e12 / 2), 1 << 16))
+        led.charge("p", GaussianEvent(noise_multiplier=1e12))
         assert time.thread_time() - t < 1.0
 
 

@@ -310,7 +310,7 @@ def test_zero_grad_discards_accumulated_sums():
             module=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
             data_loader=DataLoader(TensorDataset(torch.cat([xa, xb])), batch_size=8),
-            noise_multiplier=1e-9,
+            noise_multiplier=1e-4,  # the smallest accepted: std 1.25e-4 here
             max_grad_norm=10.0,
             poisson_sampling=False,
         )
@@ -326,7 +326,7 @@ def test_zero_grad_discards_accumulated_sums():
     ref(xb).sum().div(8).backward()  # unclipped: every per-sample norm here is below 10
     assert float(opt.clipper.last_norms.max()) < 10.0
     for p, r, s0 in zip(model.parameters(), ref.parameters(), start, strict=True):
-        torch.testing.assert_close(s0 - p.detach(), r.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(s0 - p.detach(), r.grad, rtol=1e-5, atol=1e-3)  # xa would move it by ~1
 
 
 def test_trainable_parameters_missing_from_optimizer_refused():

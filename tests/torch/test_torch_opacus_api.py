@@ -97,7 +97,7 @@ def test_batch_memory_manager_charges_and_noises_once_per_poisson_batch():
     results = []
     for physical in (None, 3):
         with pytest.warns(NotPrivateWarning):
-            engine, model, opt, loader = _private(PrivacyEngine(seed=5), sigma=1e-6, clip=0.5)
+            engine, model, opt, loader = _private(PrivacyEngine(seed=5), sigma=1e-4, clip=0.5)
         start = [p.detach().clone() for p in model.parameters()]
         if physical is None:
             batches = loader
@@ -111,7 +111,7 @@ def test_batch_memory_manager_charges_and_noises_once_per_poisson_batch():
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
         assert engine.steps == len(loader)  # one charge per Poisson batch
-        event = accounting.SubsampledGaussianEvent(1e-6, loader.sample_rate)
+        event = accounting.SubsampledGaussianEvent(1e-4, loader.sample_rate)
         assert engine.accountant.history == ((event, len(loader)),)
         if physical is not None:
             assert max(sizes) <= physical and len(sizes) > len(loader)

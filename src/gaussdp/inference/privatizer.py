@@ -205,6 +205,15 @@ class HiddenStatePrivatizer(SetOnce):
                     method=method,  # type: ignore[arg-type]
                 )
             self.noise_multiplier = self.sigma / self.sensitivity
+            from gaussdp.accounting.events import NOISE_MULTIPLIER_MAX, NOISE_MULTIPLIER_MIN
+
+            if not NOISE_MULTIPLIER_MIN <= self.noise_multiplier <= NOISE_MULTIPLIER_MAX:
+                # refused here, before any release, naming what the caller gave
+                raise InvalidParameter(
+                    f"sigma / sensitivity must be in [{NOISE_MULTIPLIER_MIN:g}, {NOISE_MULTIPLIER_MAX:g}], got "
+                    f"sigma={self.sigma!r}, sensitivity={self.sensitivity!r} (clip_norm={clip_norm!r}): "
+                    "outside it no accountant certifies a bound"
+                )
             self.epsilon_per_row = (
                 None
                 if self.delta is None
