@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gaussdp.accounting import GaussianEvent, accountant
-from gaussdp.budget import Budget, BudgetExhausted, Ledger, UnknownPrincipal
+from gaussdp.budget import Budget, BudgetExhausted, IdempotencyKeyUsed, Ledger, Spent, UnknownPrincipal
 from gaussdp.errors import InvalidParameter, PrivacyError, PrivacyWarning, UnsafeInput
 
 BUDGET = Budget(epsilon=2.0, delta=1e-5)
@@ -193,8 +193,42 @@ def test_release_with_the_core_mechanism(ledger: Ledger) -> None:
     mech = GaussianMechanism(epsilon=1.0, delta=1e-6, sensitivity=1.0)
     ledger.open("p", Budget(epsilon=3.0, delta=1e-5))
     out = ledger.release("p", mech, np.ones(8))
-    assert out.shape == (8,)
+    assert out.value.shape == (8,)
     assert ledger.history("p")[0].event == mech.event.to_dict()
+
+
+def test_release_answers_its_receipt_spent_and_remaining(ledger: Ledger) -> None:
+    from gaussdp.mechanism import GaussianMechanism
+
+    mech = GaussianMechanism(epsilon=1.0, delta=1e-6, sensitivity=1.0)
+    ledger.open("p", Budget(epsilon=3.0, delta=1e-5))
+    first = ledger.release("p", mech, np.ones(4), idempotency_key="k1", key_id="key-1")
+    (record,) = ledger.history("p")
+    assert first.charge_id == first.receipt.charge_id == record.charge_id and record.key_id == "key-1"
+    assert not first.receipt.replayed and first.receipt.idempotency_key == "k1"
+    second = ledger.release("p", mech, np.ones(4))
+    # each release's spend is the one right after its own charge, even when read later
+    assert 0 < first.spent.epsilon < second.spent.epsilon == ledger.spent("p").epsilon
+    assert first.spent.delta == second.spent.delta == 1e-5
+    assert second.remaining == ledger.remaining("p") == Spent(3.0 - second.spent.epsilon, 1e-5)
+    assert first.remaining.epsilon == pytest.approx(3.0 - first.spent.epsilon)
+
+
+def test_a_fresh_charge_under_a_replayed_key_raises(ledger: Ledger) -> None:
+    ledger.open("p", BUDGET)
+    first = ledger.charge("p", EVENT, "k")
+    assert ledger.charge("p", EVENT, "k").replayed  # a plain retry returns the earlier receipt
+    with pytest.raises(IdempotencyKeyUsed, match="already charged") as used:
+        ledger.charge("p", EVENT, "k", fresh=True)
+    assert isinstance(used.value, PrivacyError) and used.value.receipt.charge_id == first.charge_id
+    assert len(ledger.history("p")) == 1
+    assert not ledger.charge("p", EVENT, "k2", fresh=True).replayed  # a new key is charged
+    assert len(ledger.history("p")) == 2
+
+
+def test_budget_remaining_is_floored_at_zero() -> None:
+    assert BUDGET.remaining(Spent(0.5, 1e-5)) == Spent(1.5, 1e-5)
+    assert BUDGET.remaining(Spent(2.5, 1e-5)) == Spent(0.0, 1e-5)  # policy="warn" may overspend
 
 
 def test_threads_never_spend_past_the_budget(ledger: Ledger) -> None:

@@ -9,9 +9,10 @@ Stores: ``memory.py`` (in process), ``sqlite.py`` (embedded default, WAL), ``pos
 
 from __future__ import annotations
 
-from gaussdp.budget._types import Budget, ChargeRecord, Receipt, Spent
+from gaussdp.budget._types import Budget, ChargeRecord, Receipt, Release, Spent
 from gaussdp.budget.ledger import Ledger
 from gaussdp.budget.store import (
+    IdempotencyKeyUsed,
     LedgerContention,
     PrincipalConflict,
     StoreUnavailable,
@@ -26,6 +27,7 @@ __all__ = [
     "BudgetExhausted",
     "BudgetState",
     "ChargeRecord",
+    "IdempotencyKeyUsed",
     "Ledger",
     "LedgerContention",
     "PrincipalConflict",
@@ -33,6 +35,7 @@ __all__ = [
     "PrivacyBudgetTracker",
     "PrivacyExpenditure",
     "Receipt",
+    "Release",
     "Spent",
     "StoreUnavailable",
     "TenantLimitExceeded",

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from gaussdp._validate import check_delta, check_epsilon
 
-__all__ = ["Budget", "ChargeRecord", "Receipt", "Spent"]
+__all__ = ["Budget", "ChargeRecord", "Receipt", "Release", "Spent"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,14 @@ class Budget:
     def __post_init__(self) -> None:
         object.__setattr__(self, "epsilon", check_epsilon(self.epsilon))
         object.__setattr__(self, "delta", check_delta(self.delta))
+
+    def remaining(self, spent: Spent) -> Spent:
+        """``epsilon - spent.epsilon`` floored at 0, at this budget's ``delta`` (what is left to show).
+
+        Under tight accountants privacy does not add up linearly: whether a given next event fits is
+        what :meth:`Ledger.allowance` and :meth:`Ledger.charge` decide, not this difference.
+        """
+        return Spent(max(0.0, self.epsilon - spent.epsilon), self.delta)
 
 
 @dataclass(frozen=True)
@@ -81,3 +90,34 @@ class Receipt:
     replayed: bool
     within_budget: bool
     composed: tuple[tuple[str, int], ...] | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Release:
+    """What :meth:`Ledger.release` answers: the released value and the receipt of its charge.
+
+    Attributes:
+        value: ``mechanism.release(x)``, released only after the charge was on record.
+        receipt: the :class:`Receipt` of that charge (never a replayed one).
+        spent: the principal's composed spend right after this charge (an upper bound), computed
+            from the receipt when first read.
+        remaining: ``budget.epsilon - spent.epsilon`` floored at 0, at the budget's delta.
+    """
+
+    value: Any
+    receipt: Receipt
+    _ledger: Any = field(repr=False, compare=False)
+
+    @property
+    def charge_id(self) -> int:
+        """The store's identifier of the charge (``receipt.charge_id``)."""
+        return self.receipt.charge_id
+
+    @cached_property
+    def spent(self) -> Spent:
+        return self._ledger.spent(self.receipt.principal, as_of=self.receipt)  # type: ignore[no-any-return]
+
+    @cached_property
+    def remaining(self) -> Spent:
+        budget: Budget = self._ledger.budget(self.receipt.principal)
+        return budget.remaining(self.spent)

@@ -11,11 +11,13 @@ from typing import Any, Literal
 
 from gaussdp._format import format_exact, format_upper
 from gaussdp._validate import check_choice
+from gaussdp._worklimit import no_cpu_limit
 from gaussdp.budget._compose import Composer, event_dict, event_key, within
 from gaussdp.budget._sketch import LinearSketch, LivePLD
-from gaussdp.budget._types import Budget, ChargeRecord, Receipt, Spent
+from gaussdp.budget._types import Budget, ChargeRecord, Receipt, Release, Spent
 from gaussdp.budget.store import (
     Decide,
+    IdempotencyKeyUsed,
     LedgerContention,
     PrincipalConflict,
     PrincipalRow,
@@ -224,7 +226,13 @@ class Ledger:
 
     # -- charging ----------------------------------------------------------------------------------
     def charge(
-        self, principal: str, event: Any, idempotency_key: str | None = None, *, key_id: str | None = None
+        self,
+        principal: str,
+        event: Any,
+        idempotency_key: str | None = None,
+        *,
+        key_id: str | None = None,
+        fresh: bool = False,
     ) -> Receipt:
         """Atomically charge ``event`` to ``principal`` if the composed spend stays within budget.
 
@@ -234,6 +242,8 @@ class Ledger:
             idempotency_key: a retried call with the same key is charged once and returns the earlier
                 receipt with ``replayed=True`` (nothing new may be released under a replayed receipt).
             key_id: who made the charge (the service's API key id, not secret), kept with it for audit.
+            fresh: the caller releases something under this charge, so a replayed idempotency key
+                raises :class:`IdempotencyKeyUsed` instead of returning the earlier receipt.
 
         Returns:
             A :class:`Receipt`, written durably before this method returns.
@@ -243,7 +253,19 @@ class Ledger:
             LedgerContention: concurrent charges kept changing the history; nothing was recorded.
             UnknownPrincipal: ``principal`` was never opened.
             InvalidParameter: the idempotency key was used before for a different event.
+            IdempotencyKeyUsed: ``fresh`` and the idempotency key was already charged.
         """
+        receipt = self._charge(principal, event, idempotency_key, key_id)
+        if fresh and receipt.replayed:
+            raise IdempotencyKeyUsed(
+                f"idempotency_key={idempotency_key!r} was already charged and released (or answered) for "
+                f"principal {principal!r}; a second noisy value would not be covered by that charge (the "
+                "first response is the only one)",
+                receipt,
+            )
+        return receipt
+
+    def _charge(self, principal: str, event: Any, idempotency_key: str | None, key_id: str | None) -> Receipt:
         key = event_key(event)
         idempotency_key = check_idempotency_key(idempotency_key)
         if key_id is not None:
@@ -430,26 +452,42 @@ class Ledger:
         groups = self.store.groups(principal)
         return max(0, self._allowed(row, groups, key) - groups.get(key, 0))
 
-    def release(self, principal: str, mechanism: Any, x: Any, *, idempotency_key: str | None = None) -> Any:
-        """Charge ``mechanism.event`` to ``principal`` durably, then return ``mechanism.release(x)``.
+    def release(
+        self,
+        principal: str,
+        mechanism: Any,
+        x: Any,
+        *,
+        idempotency_key: str | None = None,
+        key_id: str | None = None,
+    ) -> Release:
+        """Charge ``mechanism.event`` to ``principal`` durably, then release ``mechanism.release(x)``.
 
         The order is the guarantee: a crash after the charge loses budget, never privacy. A floating
         input with NaN or Inf is refused before anything is charged. A replayed idempotency key raises
         (a second noisy value under one charge would not be covered by it).
 
+        Args:
+            principal: an opened principal.
+            mechanism: what to release: its ``.event`` is charged, then ``.release(x)`` is called.
+            x: the input of the release.
+            idempotency_key: a retried call with the same key is charged once (and released once).
+            key_id: who made the charge (kept with it for audit), as for :meth:`charge`.
+
+        Returns:
+            A :class:`Release`: the released ``value``, the ``receipt`` of its charge (``charge_id``),
+            and the principal's ``spent`` and ``remaining`` privacy right after it.
+
         Raises:
             BudgetExhausted: the release does not fit in the budget; nothing was charged or released.
             UnsafeInput: ``x`` holds NaN or Inf.
-            PrivacyError: ``idempotency_key`` was already used for a release.
+            IdempotencyKeyUsed: ``idempotency_key`` was already used for a release (a
+                :class:`~gaussdp.errors.PrivacyError`); nothing new was charged or released.
         """
         _refuse_non_finite(x)
-        receipt = self.charge(principal, mechanism.event, idempotency_key)
-        if receipt.replayed:
-            raise PrivacyError(
-                f"idempotency_key={idempotency_key!r} was already charged and released once for principal "
-                f"{principal!r}; a second noisy value would not be covered by that charge"
-            )
-        return mechanism.release(x)
+        receipt = self.charge(principal, mechanism.event, idempotency_key, key_id=key_id, fresh=True)
+        with no_cpu_limit():  # charged: the release must follow (its cost is bounded by the input)
+            return Release(mechanism.release(x), receipt, self)
 
     # -- reading -----------------------------------------------------------------------------------
     def spent(self, principal: str, *, as_of: Receipt | None = None) -> Spent:
@@ -481,13 +519,12 @@ class Ledger:
         return max(0.0, after_eps - before_eps)
 
     def remaining(self, principal: str) -> Spent:
-        """``budget.epsilon - spent.epsilon`` (at the budget's delta, floored at 0).
+        """``budget.epsilon - spent.epsilon`` (at the budget's delta, floored at 0): :meth:`Budget.remaining`.
 
         Under tight accountants privacy does not add up linearly: whether a given next event fits is
         what :meth:`allowance` and :meth:`charge` decide, not this difference.
         """
-        row = self._row(principal)
-        return Spent(max(0.0, row.epsilon - self.spent(principal).epsilon), row.delta)
+        return self.budget(principal).remaining(self.spent(principal))
 
     def history(self, principal: str, limit: int | None = None) -> list[ChargeRecord]:
         """The charges of ``principal`` in order (the last ``limit`` if given)."""

@@ -15,12 +15,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from gaussdp.errors import InvalidParameter, PrivacyError
 
 __all__ = [
     "ApiKeyRow",
+    "IdempotencyKeyUsed",
     "LedgerContention",
     "PrincipalConflict",
     "PrincipalRow",
@@ -48,6 +49,20 @@ class PrincipalConflict(InvalidParameter):
 class LedgerContention(PrivacyError):
     """A charge was retried too often because concurrent charges kept changing the principal's
     history under it; nothing was charged, and retrying later is safe."""
+
+
+class IdempotencyKeyUsed(PrivacyError):
+    """An idempotency key was already charged, and what was released under that charge was already
+    answered: nothing new is charged or released (a second noisy value would not be covered by the
+    one charge). Raised by :meth:`Ledger.release` and by ``Ledger.charge(..., fresh=True)``.
+
+    Attributes:
+        receipt: the earlier charge's receipt (``replayed=True``).
+    """
+
+    def __init__(self, message: str, receipt: Any) -> None:
+        super().__init__(message)
+        self.receipt = receipt
 
 
 class StoreUnavailable(RuntimeError):

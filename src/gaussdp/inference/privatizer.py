@@ -63,7 +63,7 @@ from gaussdp._validate import SetOnce, check_choice, check_delta, check_epsilon,
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, UnsafeInput
 from gaussdp.inference._layers import resolve_layer, split_output
 
-__all__ = ["HiddenStatePrivatizer", "ReleaseStats", "working_dtype"]
+__all__ = ["HiddenStatePrivatizer", "ReleaseStats", "row_event", "working_dtype"]
 
 Per = Literal["token", "sequence"]
 Neighbouring = HiddenStateNeighbouring
@@ -210,7 +210,8 @@ class HiddenStatePrivatizer(SetOnce):
             if not NOISE_MULTIPLIER_MIN <= self.noise_multiplier <= NOISE_MULTIPLIER_MAX:
                 # refused here, before any release, naming what the caller gave
                 raise InvalidParameter(
-                    f"sigma / sensitivity must be in [{NOISE_MULTIPLIER_MIN:g}, {NOISE_MULTIPLIER_MAX:g}], got "
+                    "sigma / sensitivity must be in "
+                    f"[{NOISE_MULTIPLIER_MIN:g}, {NOISE_MULTIPLIER_MAX:g}], got "
                     f"sigma={self.sigma!r}, sensitivity={self.sensitivity!r} (clip_norm={clip_norm!r}): "
                     "outside it no accountant certifies a bound"
                 )
@@ -483,10 +484,7 @@ class HiddenStatePrivatizer(SetOnce):
         return released.to(device=clipped.device, dtype=clipped.dtype)
 
     def _event(self, count: int) -> Any:
-        from gaussdp.accounting import GaussianEvent, SelfComposedEvent
-
-        event = GaussianEvent(noise_multiplier=self.noise_multiplier)
-        return event if count == 1 else SelfComposedEvent(event, count)
+        return row_event(self.noise_multiplier, count)
 
     def _charge(self, session_id: str, count: int) -> Any:
         """Charge ``count`` Gaussian releases to ``session_id``, atomically, before any release."""
@@ -532,3 +530,12 @@ class HiddenStatePrivatizer(SetOnce):
             f"neighbouring={self.neighbouring!r}, "
             f"attached={self.attached}, private={self.private})"
         )
+
+
+def row_event(noise_multiplier: float, rows: int) -> Any:
+    """One Gaussian release per row, as one event (charged atomically): what a privatizer charges
+    for ``rows`` hidden states, and what the service charges for rows a client declares it noised."""
+    from gaussdp.accounting import GaussianEvent, SelfComposedEvent
+
+    event = GaussianEvent(noise_multiplier=noise_multiplier)
+    return event if rows == 1 else SelfComposedEvent(event, rows)

@@ -80,7 +80,7 @@ from gaussdp.service.models import (
     SessionOut,
 )
 from gaussdp.service.quotas import Quotas
-from gaussdp.service.responses import CURSOR_PATTERN, IdempotencyKeyUsed, after_cursor, cursor_after
+from gaussdp.service.responses import CURSOR_PATTERN, after_cursor, cursor_after
 from gaussdp.service.responses import responses as error_responses
 from gaussdp.service.streaming import StreamLimits
 
@@ -276,9 +276,9 @@ def create_app(
         return SessionOut(
             session_id=session_id,
             accountant=led.accountant(p),
-            budget=Privacy(epsilon=budget.epsilon, delta=budget.delta),
-            spent=Privacy(epsilon=spent.epsilon, delta=spent.delta),
-            remaining=Privacy(epsilon=max(0.0, budget.epsilon - spent.epsilon), delta=budget.delta),
+            budget=Privacy.of(budget),
+            spent=Privacy.of(spent),
+            remaining=Privacy.of(budget.remaining(spent)),
             charges=sum(c for _, c in led.store.groups(p).items()),
         )
 
@@ -425,18 +425,17 @@ def create_app(
         p = owned(who.tenant, session_id)
         x = _vector(body.vector, body.vector_b64, "vector_b64")
         mech = _mechanism(body.epsilon, body.delta, body.sigma, body.sensitivity, noise)
-        receipt, out = _charge_then_release(led, p, mech, x, body.idempotency_key, who.key_id)
+        released = led.release(p, mech, x, idempotency_key=body.idempotency_key, key_id=who.key_id)
         with no_cpu_limit():  # charged: the answer must not fail on the limit now
-            charged(who, receipt)
-            budget, spent = led.budget(p), led.spent(p, as_of=receipt)
-        return ReleaseOut(
-            **_encode(out, "vector", b64=body.vector_b64 is not None),
-            sigma=float(mech.sigma),
-            sensitivity=body.sensitivity,
-            charge_id=receipt.charge_id,
-            spent=Privacy(epsilon=spent.epsilon, delta=spent.delta),
-            remaining=Privacy(epsilon=max(0.0, budget.epsilon - spent.epsilon), delta=budget.delta),
-        )
+            charged(who, released.receipt)
+            return ReleaseOut(
+                **_encode(released.value, "vector", b64=body.vector_b64 is not None),
+                sigma=float(mech.sigma),
+                sensitivity=body.sensitivity,
+                charge_id=released.charge_id,
+                spent=Privacy.of(released.spent),
+                remaining=Privacy.of(released.remaining),
+            )
 
     @app.post(
         "/v1/sessions/{session_id}/hidden-state",
@@ -462,20 +461,19 @@ def create_app(
         if body.neighbouring == "replace":
             x = _clip(x, body.clip_norm)  # clipped to C, noised for 2C (the mechanism's clip is a no-op)
         mech = _mechanism(body.epsilon, body.delta, body.sigma, sensitivity, noise)
-        receipt, out = _charge_then_release(led, p, mech, x, body.idempotency_key, who.key_id)
+        released = led.release(p, mech, x, idempotency_key=body.idempotency_key, key_id=who.key_id)
         with no_cpu_limit():  # charged: the answer must not fail on the limit now
-            charged(who, receipt)
-            epsilon_spent = led.spent(p, as_of=receipt).epsilon
-        return HiddenStateOut(
-            **_encode(out, "noised", b64=body.hidden_state_b64 is not None),
-            sigma=float(mech.sigma),
-            clip_norm=body.clip_norm,
-            neighbouring=body.neighbouring,
-            sensitivity=sensitivity,
-            epsilon_spent=epsilon_spent,
-            budget_ok=True,
-            charge_id=receipt.charge_id,
-        )
+            charged(who, released.receipt)
+            return HiddenStateOut(
+                **_encode(released.value, "noised", b64=body.hidden_state_b64 is not None),
+                sigma=float(mech.sigma),
+                clip_norm=body.clip_norm,
+                neighbouring=body.neighbouring,
+                sensitivity=sensitivity,
+                epsilon_spent=released.spent.epsilon,
+                budget_ok=True,
+                charge_id=released.charge_id,
+            )
 
     @app.post(
         "/v1/sessions/{session_id}/lora-delta",
@@ -501,6 +499,8 @@ def create_app(
         answered then). The charge records a claim, it does not make unnoised rows private. A delta
         that overflows (float64, or float32 for ``noised_b64``) is refused with 422, uncharged.
         """
+        from gaussdp.inference.privatizer import row_event
+
         p = owned(who.tenant, session_id)
         adapter = adapters.get(body.adapter)
         if adapter is None or lora_delta_of is None:
@@ -508,22 +508,17 @@ def create_app(
         a, b, scaling, backend = adapter
         h = _rows(body.noised, body.noised_b64, a.shape[1], body.adapter)
         sensitivity = _sensitivity(body.clip_norm, body.neighbouring)
-        event = _row_event(body.sigma / sensitivity, h.shape[0])
+        event = row_event(body.sigma / sensitivity, h.shape[0])
         # Computed first (nothing leaves before the charge), so that a failure charges nothing.
         with np.errstate(over="ignore", invalid="ignore"):
             out = np.asarray(lora_delta_of(h, a, b, scaling, backend=backend), dtype=np.float64)
             b64 = body.noised_b64 is not None
             if not np.isfinite(out.astype(np.float32) if b64 else out).all():
                 raise HTTPException(422, "noised: the delta overflows (rows far too large); nothing charged")
-        receipt = led.charge(p, event, body.idempotency_key, key_id=who.key_id)
-        if receipt.replayed:
-            raise IdempotencyKeyUsed(
-                f"idempotency_key={body.idempotency_key!r} was already charged and answered "
-                "(the first response is the only one)",
-            )
+        receipt = led.charge(p, event, body.idempotency_key, key_id=who.key_id, fresh=True)
         with no_cpu_limit():  # charged: the answer must not fail on the limit now
             charged(who, receipt)
-            budget, spent = led.budget(p), led.spent(p, as_of=receipt)
+            spent = led.spent(p, as_of=receipt)
         return LoraDeltaOut(
             **_encode(out, "delta", b64=b64),
             rows=int(h.shape[0]),
@@ -533,8 +528,8 @@ def create_app(
             sensitivity=sensitivity,
             noise_multiplier=body.sigma / sensitivity,
             charge_id=receipt.charge_id,
-            spent=Privacy(epsilon=spent.epsilon, delta=spent.delta),
-            remaining=Privacy(epsilon=max(0.0, budget.epsilon - spent.epsilon), delta=budget.delta),
+            spent=Privacy.of(spent),
+            remaining=Privacy.of(led.budget(p).remaining(spent)),
         )
 
     if ckks:  # CKKS split mode (gaussdp.service.ckks): the same adapters, charge path and key check
@@ -548,7 +543,6 @@ def create_app(
                 owned=owned,
                 charged=charged,
                 sensitivity_of=_sensitivity,
-                row_event=_row_event,
                 bounded=limited,
                 cpu_limit_s=cpu_limit_s,
                 quotas=quotas,
@@ -708,14 +702,6 @@ def _clip(x: np.ndarray, clip_norm: float) -> np.ndarray:
     return np.asarray(clipped).reshape(x.shape)
 
 
-def _row_event(noise_multiplier: float, rows: int) -> Any:
-    """One Gaussian release per row, as one event (charged atomically), as the privatizer charges."""
-    from gaussdp.accounting import GaussianEvent, SelfComposedEvent
-
-    event = GaussianEvent(noise_multiplier=noise_multiplier)
-    return event if rows == 1 else SelfComposedEvent(event, rows)
-
-
 def _rows(values: list[list[float]] | None, b64: str | None, d: int, adapter: str) -> np.ndarray:
     if values is not None:
         h = np.asarray(values, dtype=np.float64)
@@ -785,20 +771,6 @@ def _charge_out(c: Any) -> ChargeOut:
         within_budget=c.within_budget,
         key_id=c.key_id,
     )
-
-
-def _charge_then_release(
-    led: Ledger, p: str, mech: Any, x: np.ndarray, key: str | None, key_id: str | None
-) -> tuple[Any, Any]:
-    """The ledger's charge-before-release, keeping the receipt for the response."""
-    receipt = led.charge(p, mech.event, key, key_id=key_id)
-    if receipt.replayed:
-        raise IdempotencyKeyUsed(
-            f"idempotency_key={key!r} was already charged and released; a second noisy value would not "
-            "be covered by that charge (the first response is the only one)",
-        )
-    with no_cpu_limit():  # charged: the release must follow (its cost is bounded by the body size)
-        return receipt, mech.release(x)
 
 
 def _mechanism(

@@ -78,7 +78,6 @@ from gaussdp.service.models import (
     _Strict,
 )
 from gaussdp.service.quotas import Quotas
-from gaussdp.service.responses import IdempotencyKeyUsed
 from gaussdp.service.responses import responses as error_responses
 
 __all__ = [
@@ -274,7 +273,6 @@ def ckks_router(
     owned: Callable[[str, str], str],
     charged: Callable[[Caller, Any], None],
     sensitivity_of: Callable[[float, str], float],
-    row_event: Callable[[float, int], Any],
     bounded: Callable[[Callable[..., Any]], Callable[..., Any]],
     cpu_limit_s: float,
     quotas: Quotas | None = None,
@@ -295,6 +293,7 @@ def ckks_router(
         CKKSPublicContext,
         rotation_steps_for,
     )
+    from gaussdp.inference.privatizer import row_event
 
     Releaser = Annotated[Caller, Depends(releaser)]
     quotas = quotas or Quotas()
@@ -413,16 +412,11 @@ def ckks_router(
             raise HTTPException(422, f"rows={body.rows} but ciphertext_b64 holds {len(rows)} rows")
         sensitivity = sensitivity_of(body.clip_norm, body.neighbouring)
         event = row_event(body.sigma / sensitivity, body.rows)
-        receipt = ledger.charge(p, event, body.idempotency_key, key_id=who.key_id)
-        if receipt.replayed:
-            raise IdempotencyKeyUsed(
-                f"idempotency_key={body.idempotency_key!r} was already charged and answered "
-                "(the first response is the only one)",
-            )
+        receipt = ledger.charge(p, event, body.idempotency_key, key_id=who.key_id, fresh=True)
         with no_cpu_limit():  # charged: the answer must follow (its cost is bounded by MAX_ROWS)
             out = plan.delta_rows(ctx, rows)
             charged(who, receipt)
-            budget, spent = ledger.budget(p), ledger.spent(p, as_of=receipt)
+            spent = ledger.spent(p, as_of=receipt)
         return CKKSLoraDeltaOut(
             ciphertext_b64=base64.b64encode(out).decode(),
             rows=body.rows,
@@ -433,8 +427,8 @@ def ckks_router(
             sensitivity=sensitivity,
             noise_multiplier=body.sigma / sensitivity,
             charge_id=receipt.charge_id,
-            spent=Privacy(epsilon=spent.epsilon, delta=spent.delta),
-            remaining=Privacy(epsilon=max(0.0, budget.epsilon - spent.epsilon), delta=budget.delta),
+            spent=Privacy.of(spent),
+            remaining=Privacy.of(ledger.budget(p).remaining(spent)),
         )
 
     return router

@@ -30,7 +30,6 @@ from gaussdp.service.models import ErrorOut, InvalidOut
 __all__ = [
     "ERRORS",
     "ErrorKind",
-    "IdempotencyKeyUsed",
     "Refusal",
     "close_code",
     "code_of",
@@ -149,20 +148,11 @@ class Refusal(HTTPException):
         self.code = code
 
 
-class IdempotencyKeyUsed(Refusal):
-    """A request's idempotency key was already charged and answered: the service answers 409
-    ``idempotency_key_used`` and releases nothing new (a second noisy answer would not be covered
-    by the one charge). A client that retried after losing the first answer gets this, not a
-    second charge."""
-
-    def __init__(self, detail: str) -> None:
-        super().__init__("idempotency_key_used", detail)
-
-
 def _library_codes() -> tuple[tuple[type[BaseException], str], ...]:
     """The library's exceptions -> codes, most specific first (imported late: the budget layer)."""
     from gaussdp.budget import (
         BudgetExhausted,
+        IdempotencyKeyUsed,
         LedgerContention,
         PrincipalConflict,
         StoreUnavailable,
@@ -177,6 +167,7 @@ def _library_codes() -> tuple[tuple[type[BaseException], str], ...]:
         (TenantLimitExceeded, "tenant_limit_exceeded"),
         (QuotaExceeded, "quota_exceeded"),
         (BudgetExhausted, "budget_exhausted"),
+        (IdempotencyKeyUsed, "idempotency_key_used"),
         (LedgerContention, "ledger_contention"),
         (PrincipalConflict, "session_conflict"),
         (StoreUnavailable, "database_unavailable"),

@@ -19,10 +19,9 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from gaussdp._worklimit import cpu_limit, no_cpu_limit
-from gaussdp.budget import Ledger, StoreUnavailable
+from gaussdp.budget import IdempotencyKeyUsed, Ledger, StoreUnavailable
 from gaussdp.errors import InvalidParameter, PrivacyError, WorkLimitExceeded
 from gaussdp.service.models import MAX_PROMPT_TOKENS, GeneratedToken, GenerateIn
-from gaussdp.service.responses import IdempotencyKeyUsed
 
 __all__ = ["ChargePerToken", "Generation", "GenerationFailed"]
 
@@ -80,12 +79,8 @@ class ChargePerToken:
         # The service's per-request CPU limit bounds the ledger's numeric work of each charge (the
         # forward pass around it is bounded by the caps on tokens, not by this limit).
         with cpu_limit(self._cpu_limit_s):
-            receipt = self._ledger.charge(principal, event, self.key, key_id=self._key_id)
-        if receipt.replayed:  # charged (and answered) by an earlier request: release nothing new
-            raise IdempotencyKeyUsed(
-                f"idempotency key {self.key!r} was already charged and answered; the first answer "
-                "is the only one (nothing was charged or generated now)"
-            )
+            # fresh: a key charged (and answered) by an earlier request releases nothing new
+            receipt = self._ledger.charge(principal, event, self.key, key_id=self._key_id, fresh=True)
         self.receipt = receipt
         with no_cpu_limit():
             self._on_charged(receipt)

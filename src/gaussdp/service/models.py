@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -93,6 +93,11 @@ class SessionIn(BudgetIn):
 class Privacy(BaseModel):
     epsilon: float
     delta: float
+
+    @classmethod
+    def of(cls, privacy: Any) -> Privacy:
+        """From the ledger's ``Budget`` or ``Spent`` (its ``epsilon`` and ``delta``)."""
+        return cls(epsilon=privacy.epsilon, delta=privacy.delta)
 
 
 class SessionOut(BaseModel):

@@ -1,13 +1,13 @@
-"""The opaque cursor of paginated routes; the error statuses' OpenAPI entries and
-:class:`IdempotencyKeyUsed` are re-exported from their one home, :mod:`gaussdp.service.errors`."""
+"""The opaque cursor of paginated routes; the error statuses' OpenAPI entries are re-exported from
+their one home, :mod:`gaussdp.service.errors`."""
 
 from __future__ import annotations
 
 import base64
 
-from gaussdp.service.errors import IdempotencyKeyUsed, responses
+from gaussdp.service.errors import responses
 
-__all__ = ["CURSOR_PATTERN", "IdempotencyKeyUsed", "after_cursor", "cursor_after", "responses"]
+__all__ = ["CURSOR_PATTERN", "after_cursor", "cursor_after", "responses"]
 
 
 # A cursor is opaque to clients: 11 base64url characters (8 bytes). Every string of that shape is a

@@ -114,6 +114,7 @@ from starlette.concurrency import run_in_threadpool
 
 from gaussdp.budget import (
     BudgetExhausted,
+    IdempotencyKeyUsed,
     Ledger,
     LedgerContention,
     StoreUnavailable,
@@ -122,7 +123,7 @@ from gaussdp.errors import InvalidParameter, PrivacyError, WorkLimitExceeded
 from gaussdp.service.auth import Caller
 from gaussdp.service.bounds import WS_MAX_MESSAGE_BYTES, loads_bounded
 from gaussdp.service.deps import Gate, websocket_key
-from gaussdp.service.errors import ERRORS, IdempotencyKeyUsed, Refusal, close_code, code_of, detail_of
+from gaussdp.service.errors import ERRORS, Refusal, close_code, code_of, detail_of
 from gaussdp.service.errors import responses as error_responses
 from gaussdp.service.fairness import (
     DEFAULT_MAX_STREAMS,
@@ -251,11 +252,8 @@ def generation_router(
         return gen.step(i)
 
     def spent_remaining(p: str, receipt: Any = None) -> dict[str, Privacy]:
-        budget, spent = ledger.budget(p), ledger.spent(p, as_of=receipt)
-        return {
-            "spent": Privacy(epsilon=spent.epsilon, delta=spent.delta),
-            "remaining": Privacy(epsilon=max(0.0, budget.epsilon - spent.epsilon), delta=budget.delta),
-        }
+        spent = ledger.spent(p, as_of=receipt)
+        return {"spent": Privacy.of(spent), "remaining": Privacy.of(ledger.budget(p).remaining(spent))}
 
     @router.post(
         "/v1/sessions/{session_id}/generate",
