@@ -105,9 +105,9 @@ def test_each_charge_records_the_key_that_made_it_and_the_export_lists_them(serv
 
 
 def test_export_streams_more_than_one_page(service, client, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import gaussdp.service.app as app_module
+    import gaussdp.service.sessions as sessions_module
 
-    monkeypatch.setattr(app_module, "_EXPORT_PAGE", 7)
+    monkeypatch.setattr(sessions_module, "_EXPORT_PAGE", 7)
     _session(client, service, service.key_a, "s")
     for _ in range(23):
         service.ledger.charge("tenant-a/s", EVENT)

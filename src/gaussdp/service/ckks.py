@@ -58,26 +58,23 @@ import binascii
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Path, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
 from gaussdp._neighbouring import DEFAULT_HIDDEN_STATE_NEIGHBOURING
 from gaussdp._worklimit import check_work_limit, no_cpu_limit
 from gaussdp.service.auth import Caller
-from gaussdp.service.deps import CPUBudget, HeavyLane
+from gaussdp.service.deps import CPUBudget, Service, SessionId
 from gaussdp.service.errors import Refusal
 from gaussdp.service.models import (
-    SESSION_ID_PATTERN,
     IdempotencyKey,
     Neighbouring,
     Privacy,
     _Strict,
 )
-from gaussdp.service.quotas import Quotas
 from gaussdp.service.responses import responses as error_responses
 
 __all__ = [
@@ -114,8 +111,6 @@ _MAX_ROW_BYTES = 200_000  # one seeded ciphertext is about 177 kB
 _CIPHERTEXT_B64_MAX = (MAX_ROWS * _MAX_ROW_BYTES * 4) // 3 + 4
 MAX_DELTA_BYTES = _CIPHERTEXT_B64_MAX + 16 * 1024  # the JSON body of ckks-lora-delta
 BODY_LIMITS = {CONTEXT_PATH_PATTERN: MAX_CONTEXT_BYTES, DELTA_PATH_PATTERN: MAX_DELTA_BYTES}
-
-SessionId = Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The session's id.")]
 
 
 class CKKSContextOut(BaseModel):
@@ -265,26 +260,10 @@ class ContextMemory:
             self._items[tenant] = items
 
 
-def ckks_router(
-    *,
-    adapters: Mapping[str, tuple[Any, Any, float, Any]],
-    ledger: Any,
-    releaser: Callable[..., Caller],
-    owned: Callable[[str, str], str],
-    charged: Callable[[Caller, Any], None],
-    sensitivity_of: Callable[[float, str], float],
-    bounded: Callable[[Callable[..., Any]], Callable[..., Any]],
-    cpu_limit_s: float,
-    quotas: Quotas | None = None,
-    lane: HeavyLane | None = None,
-) -> APIRouter:
-    """The two CKKS routes over ``create_app``'s adapters, ledger, key check and charge path.
-
-    Args:
-        cpu_limit_s: the per-request CPU limit a context's loading runs under.
-        quotas: the CKKS memory budgets (``ckks_memory_bytes``, ``ckks_tenant_memory_bytes``).
-        lane: the app's lane for CPU-heavy work (a context is loaded in it).
-    """
+def ckks_router(svc: Service) -> APIRouter:
+    """The two CKKS routes over ``svc``: its adapters, ledger, key check and charge path, its
+    per-request CPU limit (a context's loading runs under it, in ``svc.lane``, the app's lane for
+    CPU-heavy work) and its quotas (``ckks_memory_bytes``, ``ckks_tenant_memory_bytes``)."""
     from gaussdp.inference.ckks import (
         MAX_HIDDEN,
         MAX_RANK,
@@ -294,14 +273,15 @@ def ckks_router(
         rotation_steps_for,
     )
     from gaussdp.inference.privatizer import row_event
+    from gaussdp.service.releases import sensitivity_of
 
-    Releaser = Annotated[Caller, Depends(releaser)]
-    quotas = quotas or Quotas()
+    adapters, ledger, owned, charged = svc.adapters, svc.ledger, svc.owned, svc.charged
+    bounded, cpu_limit_s, quotas, lane = svc.bounded, svc.cpu_limit_s, svc.quotas, svc.lane
+    Releaser = Annotated[Caller, Depends(svc.releaser)]
     contexts = ContextMemory(quotas.ckks_memory_bytes, quotas.ckks_tenant_memory_bytes)
     # A context loads key by key (SEAL calls of about 7 ms, each holding the GIL), in the app's lane
     # for CPU-heavy work (one piece at a time per worker), and one upload at a time per tenant, so
     # that a tenant's queue of uploads waits behind itself (the lane is first come, first served)
-    lane = lane or HeavyLane()
     tenant_uploads: dict[str, tuple[asyncio.Lock, int]] = {}  # tenant -> (its lock, uploads in flight)
     plans: dict[str, CKKSLoRAPlan] = {}
     plans_lock = threading.Lock()

@@ -1,6 +1,11 @@
 """The FastAPI dependencies of the service's routes: who calls (the API key, its scope, its rate),
-and bounded work (the per-request CPU limit, in a worker thread, off the event loop: :func:`bounded`
-for sync routes, :class:`CPUBudget` and :class:`HeavyLane` for the CPU-heavy work of async ones).
+whose session it is (:meth:`Service.owned`), and bounded work (the per-request CPU limit, in a worker
+thread, off the event loop: :func:`bounded` for sync routes, :class:`CPUBudget` and
+:class:`HeavyLane` for the CPU-heavy work of async ones).
+
+Every router is made by a function of one argument, the app's :class:`Service` (what the routers
+share: the ledger, the key gate with its scoped dependencies, the limits and the metrics hooks);
+``create_app`` builds it, keeps it in ``app.state.service`` and composes the routers over it.
 
 :class:`Gate` authenticates HTTP requests (``Authorization: Bearer``) and WebSocket streams, whose
 key comes from the upgrade request only, before any message is read: the ``Authorization``
@@ -16,18 +21,21 @@ import asyncio
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, TypeVar
 
 import anyio
-from fastapi import Depends
+from fastapi import Depends, Path
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from gaussdp._worklimit import cpu_limit
+from gaussdp.budget import Ledger, UnknownPrincipal
 from gaussdp.errors import WorkLimitExceeded
 from gaussdp.service.auth import Caller, KeyCache
 from gaussdp.service.errors import Refusal
 from gaussdp.service.keys import scope_allows
+from gaussdp.service.models import SESSION_ID_PATTERN
+from gaussdp.service.quotas import Quotas
 
 __all__ = [
     "KEY_SUBPROTOCOL_PREFIX",
@@ -35,6 +43,8 @@ __all__ = [
     "CPUBudget",
     "Gate",
     "HeavyLane",
+    "Service",
+    "SessionId",
     "bounded",
     "websocket_key",
 ]
@@ -45,6 +55,9 @@ SUBPROTOCOL = "gaussdp.v1"
 KEY_SUBPROTOCOL_PREFIX = "gaussdp.key."
 
 T = TypeVar("T")
+
+#: The ``{session_id}`` path parameter of every session route.
+SessionId = Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The session's id.")]
 
 
 class Gate:
@@ -210,3 +223,77 @@ class CPUBudget:
         if self.left < 0:
             raise self._exceeded()
         return result
+
+
+class Service:
+    """What the routers of one app share: built once by ``create_app``, held in ``app.state.service``.
+
+    Attributes:
+        ledger: the app's :class:`~gaussdp.budget.Ledger` (budgets, charges, keys, tenant caps).
+        gate: its API keys; ``reader``, ``releaser`` and ``admin`` are the dependencies of routes
+            that need the scopes ``read``, ``release`` and ``admin``.
+        noise: the noise source of every release (``GaussianMechanism(noise=...)``).
+        cpu_limit_s: CPU seconds of numeric work one request may use; ``bounded`` applies it to a
+            sync route, ``lane`` runs the CPU-heavy pieces of async ones one at a time.
+        stats: the app's :class:`~gaussdp.service.metrics.Metrics`, or None (``metrics="off"``).
+        quotas: the tenants' quotas (:class:`~gaussdp.service.quotas.Quotas`).
+        stream_limits: generation slots and time limits (:class:`~gaussdp.service.streaming.StreamLimits`).
+        adapters: the LoRA adapters served in split mode: name -> (A, B, scaling, backend).
+    """
+
+    def __init__(
+        self,
+        *,
+        ledger: Ledger,
+        gate: Gate,
+        noise: str,
+        cpu_limit_s: float,
+        stats: Any = None,
+        quotas: Quotas | None = None,
+        stream_limits: Any = None,
+        adapters: Mapping[str, tuple[Any, Any, float, Any]] | None = None,
+    ) -> None:
+        self.ledger = ledger
+        self.gate = gate
+        self.noise = noise
+        self.cpu_limit_s = cpu_limit_s
+        self.stats = stats
+        self.quotas = quotas or Quotas()
+        self.stream_limits = stream_limits
+        self.adapters = dict(adapters or {})
+        self.reader = gate.needs("read")
+        self.releaser = gate.needs("release")
+        self.admin = gate.needs("admin")
+        self.bounded = bounded(cpu_limit_s)
+        self.lane = HeavyLane()  # CPU-heavy work of async routes, one piece at a time
+
+    @staticmethod
+    def principal(tenant: str, session_id: str) -> str:
+        """The ledger's principal of a tenant's session."""
+        # Tenant names cannot contain "/", so "tenant/session" never collides across tenants.
+        return f"{tenant}/{session_id}"
+
+    def owned(self, tenant: str, session_id: str) -> str:
+        """The principal of ``tenant``'s session ``session_id``.
+
+        Raises:
+            Refusal: ``not_found`` when this tenant has no such session (another tenant's sessions
+                are indistinguishable from missing ones).
+        """
+        p = self.principal(tenant, session_id)
+        try:
+            self.ledger.budget(p)
+        except UnknownPrincipal:
+            raise Refusal("not_found", f"no session {session_id!r} for this API key") from None
+        return p
+
+    def refused(self, code: str) -> None:
+        """Count a refusal (by its code in the error table)."""
+        if self.stats is not None:
+            self.stats.refusals.labels(code).inc()
+
+    def charged(self, who: Caller, receipt: Any) -> None:
+        """Count a charge and the epsilon it added to its session (a replay adds nothing)."""
+        if self.stats is not None and not receipt.replayed:
+            self.stats.charges.labels(who.tenant).inc()
+            self.stats.epsilon.labels(who.tenant).inc(self.ledger.increase(receipt))

@@ -86,11 +86,11 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
 from gaussdp._worklimit import no_cpu_limit
-from gaussdp.budget import Ledger, UnknownPrincipal
+from gaussdp.budget import UnknownPrincipal
 from gaussdp.errors import PrivacyError, WorkLimitExceeded
 from gaussdp.service.auth import Caller
 from gaussdp.service.corpus_check import CorpusChecker
-from gaussdp.service.deps import CPUBudget, HeavyLane
+from gaussdp.service.deps import CPUBudget, Service
 from gaussdp.service.errors import Refusal
 from gaussdp.service.finetune_models import (
     ID_PATTERN,
@@ -102,7 +102,6 @@ from gaussdp.service.finetune_models import (
     ModelOut,
 )
 from gaussdp.service.jobs import TERMINAL_STATES, CorpusRow, JobRow, JobStore
-from gaussdp.service.quotas import Quotas
 from gaussdp.service.responses import responses as error_responses
 from gaussdp.service.worker import adapter_dir, corpus_path, finetune_config
 from gaussdp.text.tokenize import MAX_INPUT_BYTES, words
@@ -125,32 +124,28 @@ JobId = Annotated[str, Path(pattern=ID_PATTERN, description="The job's id.")]
 
 # -- the router --------------------------------------------------------------------------------------
 def make_finetune_router(
+    svc: Service,
     *,
-    ledger: Ledger,
     jobs: JobStore,
     data_dir: str | os.PathLike[str],
     model_paths: Mapping[str, str],
-    reader: Callable[..., Caller],
-    releaser: Callable[..., Caller],
-    bounded: Callable[[Callable[..., Any]], Callable[..., Any]],
-    cpu_limit_s: float = 1.0,
-    quotas: Quotas | None = None,
-    lane: HeavyLane | None = None,
     vocabulary: Callable[[], Any] | None = None,
 ) -> APIRouter:
-    """The fine-tuning routes (module docstring), over ``ledger`` and ``jobs`` (the same database).
+    """The fine-tuning routes (module docstring), over ``svc``'s ledger and ``jobs`` (the same database).
+
+    ``svc`` gives the key checks, the per-request CPU limit (the sync handlers that compute run
+    under it, and a corpus upload's check, hashing and writing run in worker threads under it, all
+    blocks together, taking turns in ``svc.lane``) and the tenants' quotas on stored corpora and
+    unfinished jobs.
 
     Args:
-        reader, releaser: the app's auth dependencies for ``read`` and ``release`` scopes.
-        bounded: the app's per-request CPU limit (wraps the sync handlers that compute).
-        cpu_limit_s: the per-request CPU limit; a corpus upload's check, hashing and writing run
-            in worker threads under it, all blocks together.
-        quotas: the tenants' quotas on stored corpora and unfinished jobs.
-        lane: the app's lane for CPU-heavy work (a corpus's blocks take turns in it).
+        jobs: the job store (in the ledger's database).
+        data_dir: where corpora and adapters are kept.
+        model_paths: base models jobs may name: name -> local directory.
         vocabulary: loader of the ``/text`` vocabulary (default: :mod:`gaussdp.text.web`'s).
     """
-    quotas = quotas or Quotas()
-    lane = lane or HeavyLane()
+    ledger, bounded, cpu_limit_s = svc.ledger, svc.bounded, svc.cpu_limit_s
+    quotas, lane = svc.quotas, svc.lane
     import gaussdp.finetune  # noqa: F401  (imported now, not under a request's CPU limit)
 
     if model_paths:
@@ -158,8 +153,8 @@ def make_finetune_router(
 
     root = FsPath(data_dir)
     root.mkdir(parents=True, exist_ok=True)
-    Who = Annotated[Caller, Depends(reader)]
-    Releaser = Annotated[Caller, Depends(releaser)]
+    Who = Annotated[Caller, Depends(svc.reader)]
+    Releaser = Annotated[Caller, Depends(svc.releaser)]
     cache: dict[str, Any] = {}
 
     def vocab() -> tuple[frozenset[str], frozenset[str], str]:

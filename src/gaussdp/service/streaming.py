@@ -107,7 +107,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Request, WebSocket
+from fastapi import APIRouter, Depends, Request, WebSocket
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -115,15 +115,14 @@ from starlette.concurrency import run_in_threadpool
 from gaussdp.budget import (
     BudgetExhausted,
     IdempotencyKeyUsed,
-    Ledger,
     LedgerContention,
     StoreUnavailable,
 )
 from gaussdp.errors import InvalidParameter, PrivacyError, WorkLimitExceeded
 from gaussdp.service.auth import Caller
 from gaussdp.service.bounds import WS_MAX_MESSAGE_BYTES, loads_bounded
-from gaussdp.service.deps import Gate, websocket_key
-from gaussdp.service.errors import ERRORS, Refusal, close_code, code_of, detail_of
+from gaussdp.service.deps import SUBPROTOCOL, Service, SessionId, websocket_key
+from gaussdp.service.errors import ERRORS, Refusal, close_code, code_of, detail_of, websocket_close_codes
 from gaussdp.service.errors import responses as error_responses
 from gaussdp.service.fairness import (
     DEFAULT_MAX_STREAMS,
@@ -134,6 +133,7 @@ from gaussdp.service.fairness import (
 from gaussdp.service.generation import ChargePerToken, Generation, GenerationFailed
 from gaussdp.service.models import (
     SESSION_ID_PATTERN,
+    ErrorOut,
     GeneratedToken,
     GenerateIn,
     GenerateOut,
@@ -148,6 +148,7 @@ __all__ = [
     "MAX_STREAM_S",
     "START_TIMEOUT_S",
     "StreamLimits",
+    "document_websocket",
     "generation_router",
 ]
 
@@ -199,28 +200,16 @@ def _revoked() -> Refusal:
     )
 
 
-def generation_router(
-    *,
-    ledger: Ledger,
-    gate: Gate,
-    releaser: Any,
-    owned: Callable[[str, str], str],
-    noise: str,
-    cpu_limit_s: float,
-    on_charged: Callable[[Caller, Any], None],
-    on_refused: Callable[[str], None],
-    responses: dict[int | str, dict[str, Any]],
-    limits: StreamLimits | None = None,
-) -> APIRouter:
-    """The ``generate`` routes (POST and WebSocket) of :func:`gaussdp.service.app.create_app`.
-
-    Args:
-        gate: the app's API keys (the WebSocket route authenticates from the upgrade request).
-        releaser: the dependency that authenticates a POST (scope ``release``).
-        owned: ``(tenant, session_id) -> principal``; raises ``HTTPException(404)``.
-        limits: fair shares and time limits (defaults: :class:`StreamLimits`).
-    """
-    lim = limits or StreamLimits()
+def generation_router(svc: Service) -> APIRouter:
+    """The ``generate`` routes (POST and WebSocket) of :func:`gaussdp.service.app.create_app`, with
+    the upgrade GET's OpenAPI entry (:func:`document_websocket`), over ``svc``: its gate (the
+    WebSocket route authenticates from the upgrade request), ledger and ``stream_limits`` (fair
+    shares and time limits; default :class:`StreamLimits`)."""
+    ledger, gate, noise, cpu_limit_s = svc.ledger, svc.gate, svc.noise, svc.cpu_limit_s
+    owned, on_charged, on_refused = svc.owned, svc.charged, svc.refused
+    releaser = Annotated[Caller, Depends(svc.releaser)]
+    responses = error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503)
+    lim = svc.stream_limits or StreamLimits()
     router = APIRouter(tags=["inference"])
     model_locks: dict[str, FairLock] = {}
     slots = TenantSlots(lim.max_streams, lim.max_streams_per_tenant)
@@ -261,7 +250,7 @@ def generation_router(
         responses={**responses, **error_responses(500)},
     )
     def generate(
-        session_id: Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The session's id.")],
+        session_id: SessionId,
         body: GenerateIn,
         who: releaser,
         request: Request,
@@ -597,4 +586,50 @@ def generation_router(
             if await self.send(message):
                 await self.close(CLOSE_NORMAL)
 
+    document_websocket(router, svc.releaser)
     return router
+
+
+def document_websocket(router: APIRouter, releaser: Callable[..., Caller]) -> None:
+    """``GET /v1/sessions/{id}/generate``: the WebSocket stream's entry in the OpenAPI document.
+
+    OpenAPI has no WebSocket operations; this GET is the upgrade request. Its description and its
+    ``x-websocket-close-codes`` come from the error table; a plain HTTP GET (no upgrade) with a
+    valid key is answered 426 Upgrade Required (its key is checked as for every route).
+    """
+    codes = websocket_close_codes()
+    table = "\n".join(
+        f"| {close} | {', '.join(f'`{c}`' for c in entry['errors']) or 'normal end'} |"
+        for close, entry in sorted(codes.items())
+    )
+    description = (
+        "The generation stream over WebSocket: upgrade this GET (`Upgrade: websocket`) with the "
+        "API key in the `Authorization` header, or in the subprotocol `gaussdp.key.<key>` next to "
+        f"`{SUBPROTOCOL}`. The protocol is documented in `gaussdp.service.streaming`.\n\n"
+        "| close code | errors |\n|---|---|\n" + table
+    )
+
+    @router.get(
+        "/v1/sessions/{session_id}/generate",
+        status_code=426,
+        response_class=JSONResponse,
+        description=description,
+        summary="Generate stream (WebSocket upgrade)",
+        responses={
+            101: {"description": "Switching protocols: the stream (messages and close codes as described)."},
+            426: {
+                "description": "A plain HTTP GET: this route is a WebSocket (upgrade required).",
+                "model": ErrorOut,
+                "headers": {"Upgrade": {"description": "websocket", "schema": {"type": "string"}}},
+            },
+            **error_responses(401, 403, 422, 429, 503),
+        },
+        openapi_extra={"x-websocket-close-codes": codes},
+        dependencies=[Depends(releaser)],
+    )
+    def generate_stream_upgrade(session_id: SessionId) -> JSONResponse:
+        raise Refusal(
+            "upgrade_required",
+            "this route is a WebSocket: upgrade the request (see the OpenAPI description)",
+            headers={"Upgrade": "websocket", "Connection": "Upgrade"},
+        )
