@@ -34,7 +34,7 @@ __all__ = ["lora_adapters", "releases_router", "sensitivity_of"]
 
 
 def releases_router(svc: Service) -> APIRouter:
-    """``/release``, ``/hidden-state`` and ``/lora-delta`` (``/lora-delta`` answers with ``svc.adapters``; without, 422)."""
+    """``/release``, ``/hidden-state`` and ``/lora-delta`` (with ``svc.adapters``; without, 422)."""
     led = svc.ledger
     adapters = svc.adapters
     lora_delta_of = _server_lora_delta() if adapters else None
