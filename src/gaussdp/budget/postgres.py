@@ -19,20 +19,25 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from gaussdp.budget._db import (
+    PostgresURL,
+    SharedQueries,
+    parse_url,
+    postgres_dialect,
+    postgres_pool,
+    principal_row,
+)
 from gaussdp.budget.schema import upgrade_postgres
 from gaussdp.budget.store import (
-    ApiKeyRow,
     Decide,
     PrincipalRow,
     StoredCharge,
     StoreUnavailable,
     TenantLimitExceeded,
-    TenantLimits,
     UnknownPrincipal,
     cap_message,
     replayed_charge,
@@ -95,7 +100,7 @@ _SQLSTATE = 67  # libpq's PG_DIAG_SQLSTATE ('C'): undefined prepared statement i
 _TRANS_IDLE = 0  # libpq's PQTRANS_IDLE
 
 
-class PostgresStore:
+class PostgresStore(SharedQueries):
     """A connection pool to one PostgreSQL database; the tables live in ``schema`` (default public)."""
 
     def __init__(
@@ -103,7 +108,7 @@ class PostgresStore:
     ) -> None:
         try:
             import psycopg
-            from psycopg_pool import ConnectionPool, PoolTimeout
+            from psycopg_pool import PoolTimeout
         except ImportError:  # pragma: no cover - depends on the environment
             raise ImportError(
                 "a PostgreSQL ledger needs psycopg 3 and psycopg_pool: pip install 'gaussdp[service]'"
@@ -113,6 +118,7 @@ class PostgresStore:
         if not pool_timeout_s > 0:
             raise InvalidParameter(f"pool_timeout_s must be > 0, got pool_timeout_s={pool_timeout_s!r}")
         self.schema = schema
+        self.dialect = postgres_dialect(schema)
         self._operational_error: type[Exception] = psycopg.OperationalError
         self._pool_timeout: type[Exception] = PoolTimeout
         self._error_from_result = psycopg.errors.error_from_result
@@ -126,12 +132,9 @@ class PostgresStore:
         self._next_sql = f"SELECT {schema}.gdp_charge_next($1, $2, $3, $4::bigint, $5::float8, $6)".encode()
         self._last_checked: dict[int, float] = {}  # id(connection) -> monotonic time of its last check
         self._max_size = max(1, int(pool_size))
-        self._pool = ConnectionPool(
+        self._pool = postgres_pool(
             conninfo,
-            min_size=1,
-            max_size=max(1, int(pool_size)),
-            kwargs={"autocommit": True},
-            open=True,
+            max_size=pool_size,
             name="gaussdp-ledger",
             # Every connection is checked before it is handed out, so that connections the server
             # closed (restart, pg_terminate_backend) are replaced instead of failing requests; the
@@ -167,17 +170,14 @@ class PostgresStore:
 
     @classmethod
     def from_url(cls, url: str) -> PostgresStore:
-        parts = urlsplit(url)
-        query = parse_qsl(parts.query, keep_blank_values=True)
-        schema = next((v for k, v in query if k == "schema"), "public")
-        pool_size = int(next((v for k, v in query if k == "pool_size"), "16"))
-        pool_timeout_s = float(next((v for k, v in query if k == "pool_timeout_s"), "10"))
-        rest = [(k, v) for k, v in query if k not in ("schema", "pool_size", "pool_timeout_s")]
+        parsed = parse_url(url)
+        if not isinstance(parsed, PostgresURL):
+            raise InvalidParameter("a PostgreSQL url starts with postgresql://")
         return cls(
-            urlunsplit(parts._replace(query=urlencode(rest))),
-            schema=schema,
-            pool_size=pool_size,
-            pool_timeout_s=pool_timeout_s,
+            parsed.conninfo,
+            schema=parsed.schema,
+            pool_size=parsed.pool_size,
+            pool_timeout_s=parsed.pool_timeout_s,
         )
 
     def _check(self, conn: Any) -> None:
@@ -295,6 +295,20 @@ class PostgresStore:
                 time.sleep(_BACKOFF_S * 2**attempt)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _run(self, sql: str, args: Sequence[Any], fetch: str, *, retry: bool = True) -> Any:
+        text, params = self.dialect.sql(sql), tuple(args)
+
+        def work(conn: Any) -> Any:
+            cur = conn.execute(text, params)
+            if fetch == "rowcount":
+                return cur.rowcount
+            return cur.fetchone() if fetch == "one" else cur.fetchall()
+
+        if retry:
+            return self._retrying(work)
+        with self._connection() as conn:
+            return work(conn)
+
     def ping(self) -> None:
         """One round trip to the database within 2 s (a readiness probe)."""
         with self._connection(timeout=2.0) as conn:
@@ -315,21 +329,7 @@ class PostgresStore:
         r = self._retrying(work)
         if r is None:  # a database fault
             raise RuntimeError(f"ledger principal {principal!r} missing right after it was opened")
-        return PrincipalRow(principal, r[0], r[1], r[2], r[3])
-
-    def get_principal(self, principal: str) -> PrincipalRow | None:
-        r = self._retrying(lambda conn: conn.execute(self._sql["principal"], (principal,)).fetchone())
-        return None if r is None else PrincipalRow(principal, r[0], r[1], r[2], r[3])
-
-    def list_principals(self, prefix: str = "") -> list[str]:
-        rows = self._retrying(
-            lambda conn: conn.execute(
-                f"SELECT principal FROM {self.schema}.gdp_principals WHERE left(principal, %s) = %s "
-                "ORDER BY principal",
-                (len(prefix), prefix),
-            ).fetchall()
-        )
-        return [r[0] for r in rows]
+        return principal_row(principal, r)
 
     def groups(self, principal: str) -> dict[str, int]:
         def work(conn: Any) -> Any:
@@ -483,84 +483,6 @@ class PostgresStore:
             )
         return self._error_from_result(res, encoding="utf-8")
 
-    def history(self, principal: str, limit: int | None = None) -> list[StoredCharge]:
-        if self.get_principal(principal) is None:
-            raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
-        sql = (
-            "SELECT id, event_key, idempotency_key, created_at, within_budget, key_id "
-            f"FROM {self.schema}.gdp_charges "
-            "WHERE principal = %s ORDER BY id DESC"
-        )
-        args: tuple[Any, ...] = (principal,)
-        if limit is not None:
-            sql += " LIMIT %s"
-            args = (principal, int(limit))
-        rows = self._retrying(lambda conn: conn.execute(sql, args).fetchall())
-        return [
-            StoredCharge(int(r[0]), principal, r[1], r[2], r[3], bool(r[4]), key_id=r[5])
-            for r in reversed(rows)
-        ]
-
-    def charges_after(
-        self, prefix: str, after_id: int, limit: int, *, exact: bool = False
-    ) -> list[StoredCharge]:
-        where = "principal = %s" if exact else "left(principal, %s) = %s"
-        args: tuple[Any, ...] = (prefix,) if exact else (len(prefix), prefix)
-        rows = self._retrying(
-            lambda conn: conn.execute(
-                "SELECT id, principal, event_key, idempotency_key, created_at, within_budget, key_id "
-                f"FROM {self.schema}.gdp_charges WHERE {where} AND id > %s ORDER BY id LIMIT %s",
-                (*args, int(after_id), int(limit)),
-            ).fetchall()
-        )
-        return [StoredCharge(int(r[0]), r[1], r[2], r[3], r[4], bool(r[5]), key_id=r[6]) for r in rows]
-
-    def put_api_key(self, row: ApiKeyRow) -> None:
-        with self._connection() as conn:
-            conn.execute(
-                f"INSERT INTO {self.schema}.gdp_api_keys "
-                "(key_id, tenant, key_hash, created_at, revoked, scopes, expires_at) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s)",
-                (
-                    row.key_id,
-                    row.tenant,
-                    row.key_hash,
-                    row.created_at,
-                    row.revoked,
-                    row.scopes,
-                    row.expires_at,
-                ),
-            )
-
-    def _keys_sql(self) -> str:
-        return (
-            "SELECT key_id, tenant, key_hash, created_at, revoked, scopes, expires_at "
-            f"FROM {self.schema}.gdp_api_keys"
-        )
-
-    def get_api_key(self, key_id: str) -> ApiKeyRow | None:
-        r = self._retrying(
-            lambda conn: conn.execute(self._keys_sql() + " WHERE key_id = %s", (key_id,)).fetchone()
-        )
-        return None if r is None else ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6])
-
-    def list_api_keys(self) -> list[ApiKeyRow]:
-        rows = self._retrying(
-            lambda conn: conn.execute(self._keys_sql() + " ORDER BY tenant, created_at").fetchall()
-        )
-        return [ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6]) for r in rows]
-
-    def expire_api_key(self, key_id: str, expires_at: float) -> bool:
-        def work(conn: Any) -> bool:
-            cur = conn.execute(
-                f"UPDATE {self.schema}.gdp_api_keys SET expires_at = least(coalesce(expires_at, %s), %s) "
-                "WHERE key_id = %s",
-                (expires_at, expires_at, key_id),
-            )
-            return bool(cur.rowcount > 0)
-
-        return self._retrying(work)
-
     def open_principal_within(
         self, principal: str, epsilon: float, delta: float, accountant: str, tenant: str
     ) -> PrincipalRow:
@@ -598,7 +520,7 @@ class PostgresStore:
             r = self._retrying(lambda conn: conn.execute(self._sql["principal"], (principal,)).fetchone())
         if r is None:  # a database fault
             raise RuntimeError(f"ledger principal {principal!r} missing right after it was opened")
-        return PrincipalRow(principal, r[0], r[1], r[2], r[3])
+        return principal_row(principal, r)
 
     def set_tenant_limits(self, tenant: str, max_sessions: int | None, max_epsilon: float | None) -> None:
         s, prefix = self.schema, tenant + "/"
@@ -616,25 +538,6 @@ class PostgresStore:
                 f"FROM {s}.gdp_principals WHERE left(principal, %s) = %s) c WHERE t.tenant = %s",
                 (max_sessions, max_epsilon, len(prefix), prefix, tenant),
             )
-
-    def get_tenant_limits(self, tenant: str) -> TenantLimits | None:
-        r = self._retrying(
-            lambda conn: conn.execute(
-                "SELECT tenant, max_sessions, max_epsilon, sessions, epsilon_granted "
-                f"FROM {self.schema}.gdp_tenants WHERE tenant = %s",
-                (tenant,),
-            ).fetchone()
-        )
-        return None if r is None else TenantLimits(r[0], r[1], r[2], int(r[3]), float(r[4]))
-
-    def revoke_api_key(self, key_id: str) -> bool:
-        def work(conn: Any) -> bool:  # idempotent
-            cur = conn.execute(
-                f"UPDATE {self.schema}.gdp_api_keys SET revoked = TRUE WHERE key_id = %s", (key_id,)
-            )
-            return bool(cur.rowcount > 0)
-
-        return self._retrying(work)
 
     def close(self) -> None:
         self._closed = True

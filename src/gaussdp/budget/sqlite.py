@@ -20,20 +20,27 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import parse_qs, quote, unquote
+from typing import Any
 
-from gaussdp.budget.schema import check_sqlite_schema, upgrade_sqlite
+from gaussdp.budget._db import (
+    SQLITE,
+    SharedQueries,
+    SQLiteURL,
+    check_sqlite_ledger,
+    connect_sqlite,
+    parse_url,
+    principal_row,
+)
+from gaussdp.budget.schema import upgrade_sqlite
 from gaussdp.budget.store import (
-    ApiKeyRow,
     Decide,
     PrincipalRow,
     StoredCharge,
     StoreUnavailable,
     TenantLimitExceeded,
-    TenantLimits,
     UnknownPrincipal,
     cap_message,
     replayed_charge,
@@ -43,7 +50,6 @@ from gaussdp.errors import InvalidParameter
 __all__ = ["SQLiteStore"]
 
 
-_KEY_COLUMNS = "SELECT key_id, tenant, key_hash, created_at, revoked, scopes, expires_at FROM gdp_api_keys"
 # A charge row with its number within its principal; the triggers of migration 0005 check the number
 # and add the charge to gdp_spent in the same statement.
 _INSERT_CHARGE = (
@@ -52,8 +58,10 @@ _INSERT_CHARGE = (
 )
 
 
-class SQLiteStore:
+class SQLiteStore(SharedQueries):
     """One database file shared by any number of threads and processes on one machine."""
+
+    dialect = SQLITE
 
     def __init__(
         self,
@@ -82,66 +90,30 @@ class SQLiteStore:
         # Other processes still meet each other in the busy handler: correctness never depends on it.
         self._write_lock = threading.Lock()
         if self.read_only:
-            if not Path(self.path).is_file():
-                raise InvalidParameter(
-                    f"no SQLite ledger at {self.path!r} (opened read-only: nothing is created)"
-                )
-            with self._conn() as conn:
-                tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            if "gdp_principals" not in tables:
-                raise InvalidParameter(f"{self.path!r} is not a gaussdp ledger (no gdp_principals table)")
-            with self._conn() as conn:  # a read-only open cannot migrate: refuse an older schema
-                check_sqlite_schema(self.path, conn)
+            check_sqlite_ledger(self.path)
             return
         with self._conn() as conn:  # the tables: budget/migrations (one query when up to date)
             upgrade_sqlite(self.path, conn)
 
     @classmethod
     def from_url(cls, url: str, *, read_only: bool = False) -> SQLiteStore:
-        rest = url[len("sqlite://") :]
-        if not rest.startswith("/"):
+        parsed = parse_url(url)
+        if not isinstance(parsed, SQLiteURL):
             raise InvalidParameter(f"a SQLite url looks like sqlite:///ledger.db, got url={url!r}")
-        path, _, query = rest[1:].partition("?")
-        options = {k: v[-1] for k, v in parse_qs(query).items()}
-        unknown = set(options) - {"synchronous", "busy_timeout_ms"}
-        if unknown:
-            raise InvalidParameter(f"unknown SQLite url option(s) {sorted(unknown)} in url={url!r}")
         return cls(
-            unquote(path),
-            synchronous=options.get("synchronous", "full"),
-            busy_timeout_ms=int(options.get("busy_timeout_ms", 60_000)),
+            parsed.path,
+            synchronous=parsed.synchronous,
+            busy_timeout_ms=parsed.busy_timeout_ms,
             read_only=read_only,
         )
 
     def _connect(self) -> sqlite3.Connection:
-        target, uri = self.path, False
-        if self.read_only:
-            # mode=ro never creates the database. A WAL database read with mode=ro alone makes SQLite
-            # create its -wal and -shm files when they are missing; they are missing only when no
-            # connection has it open and every change is in the main file, so then it is read as
-            # immutable (no side files). Where they exist they are used, and nothing new is created.
-            path = Path(self.path).resolve()
-            query = "mode=ro" if Path(f"{path}-wal").exists() else "mode=ro&immutable=1"
-            target, uri = f"file:{quote(str(path))}?{query}", True
-        try:
-            conn = sqlite3.connect(
-                target,
-                uri=uri,
-                timeout=self._busy_timeout_ms / 1000.0,
-                isolation_level=None,  # we issue BEGIN IMMEDIATE / COMMIT ourselves
-                check_same_thread=False,  # a pooled connection is used by one thread at a time
-            )
-        except sqlite3.OperationalError as exc:
-            raise sqlite3.OperationalError(f"cannot open the SQLite ledger {self.path!r}: {exc}") from exc
-        conn.execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
-        if self.read_only:  # no journal-mode switch: that is a write
-            self._all.append(conn)
-            return conn
-        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if mode.lower() != "wal":
-            raise InvalidParameter(f"could not switch {self.path!r} to WAL mode (got {mode!r})")
-        conn.execute(f"PRAGMA synchronous = {self._synchronous}")
-        conn.execute("PRAGMA foreign_keys = ON")
+        conn = connect_sqlite(
+            self.path,
+            busy_timeout_ms=self._busy_timeout_ms,
+            synchronous=self._synchronous,
+            read_only=self.read_only,
+        )
         self._all.append(conn)
         return conn
 
@@ -157,6 +129,13 @@ class SQLiteStore:
             if conn.in_transaction:  # never hand a connection back holding the write lock
                 conn.execute("ROLLBACK")
             self._pool.put(conn)
+
+    def _run(self, sql: str, args: Sequence[Any], fetch: str, *, retry: bool = True) -> Any:
+        with self._conn() as conn:
+            cur = conn.execute(SQLITE.sql(sql), tuple(args))
+            return (
+                cur.rowcount if fetch == "rowcount" else cur.fetchone() if fetch == "one" else cur.fetchall()
+            )
 
     def open_principal(self, principal: str, epsilon: float, delta: float, accountant: str) -> PrincipalRow:
         with self._conn() as conn:
@@ -177,19 +156,7 @@ class SQLiteStore:
             "WHERE principal = ?",
             (principal,),
         ).fetchone()
-        return None if r is None else PrincipalRow(r[0], r[1], r[2], r[3], r[4])
-
-    def get_principal(self, principal: str) -> PrincipalRow | None:
-        with self._conn() as conn:
-            return self._principal(conn, principal)
-
-    def list_principals(self, prefix: str = "") -> list[str]:
-        with self._conn() as conn:
-            rows = conn.execute(
-                "SELECT principal FROM gdp_principals WHERE substr(principal, 1, ?) = ? ORDER BY principal",
-                (len(prefix), prefix),
-            ).fetchall()
-        return [r[0] for r in rows]
+        return None if r is None else principal_row(r[0], r[1:])
 
     def groups(self, principal: str) -> dict[str, int]:
         with self._conn() as conn:
@@ -285,71 +252,6 @@ class SQLiteStore:
             raise RuntimeError(f"the charge of {principal!r} was committed without a charge id")
         return StoredCharge(charge_id, principal, event_key, idempotency_key, now, True, key_id=key_id)
 
-    def history(self, principal: str, limit: int | None = None) -> list[StoredCharge]:
-        with self._conn() as conn:
-            if self._principal(conn, principal) is None:
-                raise UnknownPrincipal(f"principal {principal!r} was never opened on this ledger")
-            sql = (
-                "SELECT id, event_key, idempotency_key, created_at, within_budget, key_id FROM gdp_charges "
-                "WHERE principal = ? ORDER BY id DESC"
-            )
-            args: tuple[object, ...] = (principal,)
-            if limit is not None:
-                sql += " LIMIT ?"
-                args = (principal, int(limit))
-            rows = conn.execute(sql, args).fetchall()
-        return [
-            StoredCharge(r[0], principal, r[1], r[2], r[3], bool(r[4]), key_id=r[5]) for r in reversed(rows)
-        ]
-
-    def charges_after(
-        self, prefix: str, after_id: int, limit: int, *, exact: bool = False
-    ) -> list[StoredCharge]:
-        where = "principal = ?" if exact else "substr(principal, 1, ?) = ?"
-        args: tuple[object, ...] = (prefix,) if exact else (len(prefix), prefix)
-        with self._conn() as conn:
-            rows = conn.execute(
-                "SELECT id, principal, event_key, idempotency_key, created_at, within_budget, key_id "
-                f"FROM gdp_charges WHERE {where} AND id > ? ORDER BY id LIMIT ?",
-                (*args, int(after_id), int(limit)),
-            ).fetchall()
-        return [StoredCharge(r[0], r[1], r[2], r[3], r[4], bool(r[5]), key_id=r[6]) for r in rows]
-
-    def put_api_key(self, row: ApiKeyRow) -> None:
-        with self._conn() as conn:
-            conn.execute(
-                "INSERT INTO gdp_api_keys "
-                "(key_id, tenant, key_hash, created_at, revoked, scopes, expires_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (
-                    row.key_id,
-                    row.tenant,
-                    row.key_hash,
-                    row.created_at,
-                    int(row.revoked),
-                    row.scopes,
-                    row.expires_at,
-                ),
-            )
-
-    def get_api_key(self, key_id: str) -> ApiKeyRow | None:
-        with self._conn() as conn:
-            r = conn.execute(_KEY_COLUMNS + " WHERE key_id = ?", (key_id,)).fetchone()
-        return None if r is None else ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6])
-
-    def list_api_keys(self) -> list[ApiKeyRow]:
-        with self._conn() as conn:
-            rows = conn.execute(_KEY_COLUMNS + " ORDER BY tenant, created_at").fetchall()
-        return [ApiKeyRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6]) for r in rows]
-
-    def expire_api_key(self, key_id: str, expires_at: float) -> bool:
-        with self._conn() as conn:
-            cur = conn.execute(
-                "UPDATE gdp_api_keys SET expires_at = min(coalesce(expires_at, ?), ?) WHERE key_id = ?",
-                (expires_at, expires_at, key_id),
-            )
-            return cur.rowcount > 0
-
     def open_principal_within(
         self, principal: str, epsilon: float, delta: float, accountant: str, tenant: str
     ) -> PrincipalRow:
@@ -405,20 +307,6 @@ class SQLiteStore:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
-
-    def get_tenant_limits(self, tenant: str) -> TenantLimits | None:
-        with self._conn() as conn:
-            r = conn.execute(
-                "SELECT tenant, max_sessions, max_epsilon, sessions, epsilon_granted FROM gdp_tenants "
-                "WHERE tenant = ?",
-                (tenant,),
-            ).fetchone()
-        return None if r is None else TenantLimits(r[0], r[1], r[2], int(r[3]), float(r[4]))
-
-    def revoke_api_key(self, key_id: str) -> bool:
-        with self._conn() as conn:
-            cur = conn.execute("UPDATE gdp_api_keys SET revoked = 1 WHERE key_id = ?", (key_id,))
-            return cur.rowcount > 0
 
     def ping(self) -> None:
         """Read the database file (a trivial query on a pooled connection)."""

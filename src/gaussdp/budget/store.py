@@ -3,8 +3,9 @@
 A store knows nothing about privacy: it keeps principals with their budgets, the events charged to
 each principal *grouped* as ``(event_key, count)`` (so that composing a whole history costs
 O(number of distinct events), not O(number of charges)), the log of individual charges (with their
-idempotency keys), and the service's hashed API keys. The one privacy-relevant duty of a store is
-:meth:`Store.charge`: the decision callback runs while the principal is locked (serialisable per
+idempotency keys) (:class:`LedgerStore`), and the service's hashed API keys and tenant caps
+(:class:`KeyStore`); every store is both (:class:`Store`). The one privacy-relevant duty of a store
+is :meth:`LedgerStore.charge`: the decision callback runs while the principal is locked (serialisable per
 principal), and the new charge is written in the same transaction, or not at all. The callback only
 compares counts (the ledger runs the accountant before taking the lock); when the history it is
 shown needs a new decision it raises, the store rolls back, and the ledger decides again outside.
@@ -22,7 +23,9 @@ from gaussdp.errors import InvalidParameter, PrivacyError
 __all__ = [
     "ApiKeyRow",
     "IdempotencyKeyUsed",
+    "KeyStore",
     "LedgerContention",
+    "LedgerStore",
     "PrincipalConflict",
     "PrincipalRow",
     "Store",
@@ -138,8 +141,8 @@ def cap_message(tenant: str, epsilon: float) -> str:
 Decide = Callable[[PrincipalRow, Mapping[str, int]], bool]
 
 
-class Store(Protocol):
-    """What :class:`gaussdp.budget.Ledger` needs from a database."""
+class LedgerStore(Protocol):
+    """What :class:`gaussdp.budget.Ledger` needs from a database: principals and their charges."""
 
     def open_principal(self, principal: str, epsilon: float, delta: float, accountant: str) -> PrincipalRow:
         """Create the principal if missing; return the stored row (which may predate this call)."""
@@ -171,6 +174,21 @@ class Store(Protocol):
         """At most ``limit`` charges with id > ``after_id``, by id, of the principal ``prefix``
         (``exact``) or of every principal starting with ``prefix``: one page of a history or export."""
 
+    def open_principal_within(
+        self, principal: str, epsilon: float, delta: float, accountant: str, tenant: str
+    ) -> PrincipalRow:
+        """:meth:`open_principal`, counted against ``tenant``'s caps atomically (raises
+        :class:`TenantLimitExceeded`); reopening an existing principal counts nothing."""
+
+    def ping(self) -> None:
+        """Reach the database with a trivial query; raise :class:`StoreUnavailable` when it cannot."""
+
+    def close(self) -> None: ...
+
+
+class KeyStore(Protocol):
+    """What the service's API keys and tenant caps need from the same database."""
+
     def put_api_key(self, row: ApiKeyRow) -> None: ...
 
     def get_api_key(self, key_id: str) -> ApiKeyRow | None: ...
@@ -182,21 +200,15 @@ class Store(Protocol):
     def expire_api_key(self, key_id: str, expires_at: float) -> bool:
         """Set the key's expiry (to the earlier of the stored one and ``expires_at``)."""
 
-    def open_principal_within(
-        self, principal: str, epsilon: float, delta: float, accountant: str, tenant: str
-    ) -> PrincipalRow:
-        """:meth:`open_principal`, counted against ``tenant``'s caps atomically (raises
-        :class:`TenantLimitExceeded`); reopening an existing principal counts nothing."""
-
     def set_tenant_limits(self, tenant: str, max_sessions: int | None, max_epsilon: float | None) -> None:
         """Set the caps (counting the sessions ``tenant/...`` already open)."""
 
     def get_tenant_limits(self, tenant: str) -> TenantLimits | None: ...
 
-    def ping(self) -> None:
-        """Reach the database with a trivial query; raise :class:`StoreUnavailable` when it cannot."""
 
-    def close(self) -> None: ...
+class Store(LedgerStore, KeyStore, Protocol):
+    """Every store (memory, SQLite, PostgreSQL) is both: one database holds the ledger's rows and
+    the keys and caps of the tenants that spend from it."""
 
 
 def check_principal(principal: object) -> str:

@@ -32,8 +32,16 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from gaussdp.budget._db import (
+    SQLITE,
+    SQLiteURL,
+    check_sqlite_ledger,
+    connect_sqlite,
+    parse_url,
+    postgres_dialect,
+    postgres_pool,
+)
 from gaussdp.errors import InvalidParameter, PrivacyError
 
 __all__ = [
@@ -160,52 +168,37 @@ class JobStore:
     def __init__(self, url: str) -> None:
         self.url = url
         self._lock = threading.Lock()
-        if url.startswith("sqlite://"):
-            from gaussdp.budget.sqlite import SQLiteStore
-
-            self.dialect = "sqlite"
-            probe = SQLiteStore.from_url(url, read_only=True)  # parses the URL as the ledger does
-            self._path = probe.path
-            probe.close()
-            self._prefix = ""
-            self._now = "((julianday('now') - 2440587.5) * 86400.0)"  # Unix seconds, sub-second
-            self._local = threading.local()
-        elif url.startswith(("postgresql://", "postgres://")):
-            from psycopg_pool import ConnectionPool
-
-            parts = urlsplit(url)
-            query = parse_qsl(parts.query, keep_blank_values=True)
-            schema = next((v for k, v in query if k == "schema"), "public")
-            rest = [(k, v) for k, v in query if k not in ("schema", "pool_size", "pool_timeout_s")]
-            self.dialect = "postgres"
-            self._prefix = f"{schema}."
-            self._now = "extract(epoch from clock_timestamp())::double precision"
-            self._pool = ConnectionPool(
-                urlunsplit(parts._replace(query=urlencode(rest))),
-                min_size=1,
-                max_size=4,
-                kwargs={"autocommit": True},
-                open=True,
-                name="gaussdp-jobs",
-                check=ConnectionPool.check_connection,
-            )
-        else:
+        try:
+            self._db = parse_url(url)  # the ledger's own parsing: one spelling of every option
+        except InvalidParameter:
             raise InvalidParameter(
                 "fine-tuning needs a durable ledger (sqlite:///... or postgresql://...), got "
                 + repr(url.split("@")[-1])
+            ) from None
+        if isinstance(self._db, SQLiteURL):
+            check_sqlite_ledger(self._db.path)
+            self.dialect = "sqlite"
+            self._dialect = SQLITE
+            self._local = threading.local()
+        else:
+            self.dialect = "postgres"
+            self._dialect = postgres_dialect(self._db.schema)
+            self._pool = postgres_pool(
+                self._db.conninfo, max_size=4, name="gaussdp-jobs", check=_check_connection()
             )
 
     # -- connections -----------------------------------------------------------------------------
     def _sql(self, sql: str) -> str:
-        sql = sql.replace("{p}", self._prefix).replace("{now}", self._now)
-        return sql.replace("?", "%s") if self.dialect == "postgres" else sql
+        return self._dialect.sql(sql)
 
     def _sqlite(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = sqlite3.connect(self._path, timeout=60.0, isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA busy_timeout = 60000")
-            conn.execute("PRAGMA synchronous = FULL")
+            db = self._db
+            if not isinstance(db, SQLiteURL):  # pragma: no cover - only called for SQLite
+                raise TypeError("internal: a SQLite connection of a PostgreSQL job store")
+            # the ledger's connection and pragmas (WAL, synchronous, busy timeout), one per thread
+            conn = connect_sqlite(db.path, busy_timeout_ms=db.busy_timeout_ms, synchronous=db.synchronous)
             self._local.conn = conn
         return conn
 
@@ -534,3 +527,9 @@ class _Exec:
 
     def __call__(self, sql: str, args: Sequence[Any]) -> Any:
         return self._conn.execute(self._fix(sql), tuple(args))
+
+
+def _check_connection() -> Any:
+    from psycopg_pool import ConnectionPool
+
+    return ConnectionPool.check_connection

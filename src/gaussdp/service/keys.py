@@ -17,7 +17,7 @@ import re
 import secrets
 import time
 
-from gaussdp.budget.store import ApiKeyRow, Store
+from gaussdp.budget.store import ApiKeyRow, KeyStore
 from gaussdp.errors import InvalidParameter
 
 __all__ = [
@@ -57,7 +57,7 @@ def scope_allows(scope: str, needed: str) -> bool:
 
 
 def create_api_key(
-    store: Store, tenant: str, *, scope: str = "release", expires_at: float | None = None
+    store: KeyStore, tenant: str, *, scope: str = "release", expires_at: float | None = None
 ) -> str:
     """Create and store a key for ``tenant``; return the key itself (it is not stored, show it once).
 
@@ -77,7 +77,7 @@ def create_api_key(
     return key
 
 
-def rotate_api_key(store: Store, key_id: str, *, grace_s: float = 3600.0) -> str:
+def rotate_api_key(store: KeyStore, key_id: str, *, grace_s: float = 3600.0) -> str:
     """A new key with the tenant and scope of ``key_id``; the old one expires ``grace_s`` from now.
 
     Raises:
@@ -102,7 +102,7 @@ def key_id_of(key: str) -> str:
     return m.group(1)
 
 
-def check_api_key(store: Store, key: str, now: float | None = None) -> ApiKeyRow | None:
+def check_api_key(store: KeyStore, key: str, now: float | None = None) -> ApiKeyRow | None:
     """The stored row of a valid key (well formed, known, matching, unrevoked, unexpired); else None."""
     m = _KEY.match(key or "")
     if m is None:
@@ -117,7 +117,7 @@ def check_api_key(store: Store, key: str, now: float | None = None) -> ApiKeyRow
     return row
 
 
-def verify_api_key(store: Store, key: str) -> str | None:
+def verify_api_key(store: KeyStore, key: str) -> str | None:
     """The tenant of a valid key; ``None`` otherwise."""
     row = check_api_key(store, key)
     return None if row is None else row.tenant
