@@ -93,6 +93,10 @@ cost (past either: 429 ``too_many_generations``, the upgrade refused). Forward p
 pool, never on the event loop; passes of one model take turns tenant by tenant (a fair lock per
 model: the privatizer's hook is on the shared module for the duration of one pass), so streams of
 other tenants interleave token by token.
+
+This module is over 600 lines on purpose: the protocol above is documented beside the one function
+that implements it (:func:`generation_router`, whose POST and WebSocket routes share their app's
+generation slots and model locks), and the upgrade GET's OpenAPI entry is made from the same table.
 """
 
 # No "from __future__ import annotations": FastAPI resolves the route's annotations at runtime.
