@@ -112,3 +112,34 @@ def test_the_client_reads_stream_errors_as_the_table_says() -> None:
     for code, kind in ERRORS.items():
         if kind.ws:
             assert _stream._status_of(code) == kind.status, code
+
+
+def test_a_replayed_release_is_refused_by_the_ledger_s_one_check(service) -> None:  # type: ignore[no-untyped-def]
+    from gaussdp.budget import IdempotencyKeyUsed
+
+    assert errors.code_of(IdempotencyKeyUsed("used", None)) == "idempotency_key_used"
+    body = {"vector": [0.1, 0.2], "sigma": 50.0, "idempotency_key": "k-1"}
+    with TestClient(service.app) as client:
+        h = service.headers(service.key_a)
+        assert client.post("/v1/sessions", json={"session_id": "s", "epsilon": 5.0, "delta": 1e-5}, headers=h)
+        first = client.post("/v1/sessions/s/release", json=body, headers=h)
+        assert first.status_code == 200
+        again = client.post("/v1/sessions/s/release", json=body, headers=h)
+    assert again.status_code == ERRORS["idempotency_key_used"].status == 409
+    assert again.json()["error"] == "idempotency_key_used" and "already charged" in again.json()["detail"]
+    (charge,) = service.ledger.history("tenant-a/s")
+    assert charge.charge_id == first.json()["charge_id"]
+    # the answer's spend is the ledger's Release: spent right after the charge, remaining floored
+    spent = service.ledger.spent("tenant-a/s")
+    assert first.json()["spent"] == {"epsilon": spent.epsilon, "delta": spent.delta}
+    assert first.json()["remaining"]["epsilon"] == max(0.0, 5.0 - spent.epsilon)
+
+
+def test_every_router_is_made_from_the_app_s_one_service(service) -> None:  # type: ignore[no-untyped-def]
+    from gaussdp.service.deps import Service
+
+    svc = service.app.state.service
+    assert isinstance(svc, Service) and svc.ledger is service.ledger is service.app.state.ledger
+    with pytest.raises(Refusal) as missing:
+        svc.owned("tenant-a", "nope")
+    assert missing.value.code == "not_found"
