@@ -397,6 +397,7 @@ def ckks_router(svc: Service) -> APIRouter:
             out = plan.delta_rows(ctx, rows)
             charged(who, receipt)
             spent = ledger.spent(p, as_of=receipt)
+            remaining = ledger.budget(p).remaining(spent)
         return CKKSLoraDeltaOut(
             ciphertext_b64=base64.b64encode(out).decode(),
             rows=body.rows,
@@ -408,7 +409,7 @@ def ckks_router(svc: Service) -> APIRouter:
             noise_multiplier=body.sigma / sensitivity,
             charge_id=receipt.charge_id,
             spent=Privacy.of(spent),
-            remaining=Privacy.of(ledger.budget(p).remaining(spent)),
+            remaining=Privacy.of(remaining),
         )
 
     return router

@@ -147,6 +147,7 @@ def releases_router(svc: Service) -> APIRouter:
         with no_cpu_limit():  # charged: the answer must not fail on the limit now
             svc.charged(who, receipt)
             spent = led.spent(p, as_of=receipt)
+            remaining = led.budget(p).remaining(spent)
         return LoraDeltaOut(
             **_encode(out, "delta", b64=b64),
             rows=int(h.shape[0]),
@@ -157,7 +158,7 @@ def releases_router(svc: Service) -> APIRouter:
             noise_multiplier=body.sigma / sensitivity,
             charge_id=receipt.charge_id,
             spent=Privacy.of(spent),
-            remaining=Privacy.of(led.budget(p).remaining(spent)),
+            remaining=Privacy.of(remaining),
         )
 
     return router
