@@ -3,9 +3,10 @@ whose session it is (:meth:`Service.owned`), and bounded work (the per-request C
 thread, off the event loop: :func:`bounded` for sync routes, :class:`CPUBudget` and
 :class:`HeavyLane` for the CPU-heavy work of async ones).
 
-Every router is made by a function of one argument, the app's :class:`Service` (what the routers
-share: the ledger, the key gate with its scoped dependencies, the limits and the metrics hooks);
-``create_app`` builds it, keeps it in ``app.state.service`` and composes the routers over it.
+Every router is made by a function of the app's :class:`Service` (what the routers share: the
+ledger, the key gate with its scoped dependencies, ownership of sessions, the limits and the metrics
+hooks), plus, for fine-tuning, its own stores; ``create_app`` builds the Service, keeps it in
+``app.state.service`` and composes the routers over it. Nothing else is injected.
 
 :class:`Gate` authenticates HTTP requests (``Authorization: Bearer``) and WebSocket streams, whose
 key comes from the upgrade request only, before any message is read: the ``Authorization``
