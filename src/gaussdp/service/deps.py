@@ -23,7 +23,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import anyio
 from fastapi import Depends, Path
@@ -54,6 +54,9 @@ __all__ = [
 SUBPROTOCOL = "gaussdp.v1"
 #: A browser's API key rides in the offered subprotocols as ``gaussdp.key.<key>``.
 KEY_SUBPROTOCOL_PREFIX = "gaussdp.key."
+
+if TYPE_CHECKING:
+    from gaussdp.service.streaming import StreamLimits
 
 T = TypeVar("T")
 
@@ -251,7 +254,7 @@ class Service:
         cpu_limit_s: float,
         stats: Any = None,
         quotas: Quotas | None = None,
-        stream_limits: Any = None,
+        stream_limits: "StreamLimits | None" = None,
         adapters: Mapping[str, tuple[Any, Any, float, Any]] | None = None,
     ) -> None:
         self.ledger = ledger
