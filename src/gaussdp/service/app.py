@@ -200,16 +200,18 @@ def create_app(
     errors.install(app, svc.refused)
     errors.document(app)
 
-    app.include_router(health_router(svc))
-    app.include_router(sessions_router(svc))
-    app.include_router(releases_router(svc))
+    # The topics' routes go on the app's own router (no included router to walk per request); the
+    # optional topics' routers are included whole, with their tags.
+    health_router(svc, app.router)
+    sessions_router(svc, app.router)
+    releases_router(svc, app.router)
     if ckks:  # CKKS split mode: the same adapters, charge path and key check
         from gaussdp.service.ckks import ckks_router
 
         app.include_router(ckks_router(svc))
     app.include_router(generation_router(svc))
     if metrics != "off":
-        app.include_router(metrics_router(svc, metrics))
+        metrics_router(svc, metrics, app.router)
     if text != "off":
         _include_optional_routers(app, [Depends(svc.releaser)] if text == "keyed" else [])
     if data_dir is not None:

@@ -20,17 +20,19 @@ __all__ = ["health_router", "metrics_router", "time_requests"]
 logger = logging.getLogger("gaussdp.service")
 
 
-def health_router(svc: Service) -> APIRouter:
-    """``/healthz`` (the process answers) and ``/readyz`` (the ledger's database answers); no key."""
-    router = APIRouter(tags=["meta"])
+def health_router(svc: Service, router: APIRouter | None = None) -> APIRouter:
+    """``/healthz`` (the process answers) and ``/readyz`` (the ledger's database answers); no key.
+    On ``router`` (``create_app`` passes its own), else on a new one."""
+    router = APIRouter() if router is None else router
 
-    @router.get("/healthz")
+    @router.get("/healthz", tags=["meta"])
     def healthz() -> dict[str, str]:
         """Liveness probe (no key needed): the process answers; the database is not consulted."""
         return {"status": "ok"}
 
     @router.get(
         "/readyz",
+        tags=["meta"],
         responses={
             200: {"description": "Ready.", "model": ReadyOut},
             503: {**error_responses(503)[503], "model": ReadyOut},  # the table's row, this body
@@ -52,16 +54,20 @@ def health_router(svc: Service) -> APIRouter:
     return router
 
 
-def metrics_router(svc: Service, access: Literal["keyed", "public"]) -> APIRouter:
-    """``/metrics`` in Prometheus text format: an ``admin`` key unless ``access="public"``."""
+def metrics_router(
+    svc: Service, access: Literal["keyed", "public"], router: APIRouter | None = None
+) -> APIRouter:
+    """``/metrics`` in Prometheus text format: an ``admin`` key unless ``access="public"``; on
+    ``router`` (``create_app`` passes its own), else on a new one."""
     stats = svc.stats
     if stats is None:
         raise ValueError("metrics_router needs a Service with stats (create_app(metrics='off') has none)")
     keyed = access == "keyed"
-    router = APIRouter(tags=["meta"])
+    router = APIRouter() if router is None else router
 
     @router.get(
         "/metrics",
+        tags=["meta"],
         dependencies=[Depends(svc.admin)] if keyed else [],
         response_class=Response,
         responses={

@@ -33,13 +33,15 @@ from gaussdp.service.models import (
 __all__ = ["lora_adapters", "releases_router", "sensitivity_of"]
 
 
-def releases_router(svc: Service) -> APIRouter:
-    """``/release``, ``/hidden-state`` and ``/lora-delta`` (with ``svc.adapters``; without, 422)."""
+def releases_router(svc: Service, router: APIRouter | None = None) -> APIRouter:
+    """``/release``, ``/hidden-state`` and ``/lora-delta`` (with ``svc.adapters``; without, 422), on
+    ``router`` (``create_app`` passes its own, as for :func:`~gaussdp.service.sessions.sessions_router`),
+    else on a new one."""
     led = svc.ledger
     adapters = svc.adapters
     lora_delta_of = _server_lora_delta() if adapters else None
     Releaser = Annotated[Caller, Depends(svc.releaser)]
-    router = APIRouter()
+    router = APIRouter() if router is None else router
 
     @router.post(
         "/v1/sessions/{session_id}/release",

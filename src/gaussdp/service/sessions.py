@@ -24,13 +24,15 @@ HISTORY_MAX_LIMIT = 1000
 _EXPORT_PAGE = 1000
 
 
-def sessions_router(svc: Service) -> APIRouter:
-    """``/v1/sessions`` (create, list, read, history) and ``/v1/audit/export`` over ``svc``'s ledger."""
+def sessions_router(svc: Service, router: APIRouter | None = None) -> APIRouter:
+    """``/v1/sessions`` (create, list, read, history) and ``/v1/audit/export`` over ``svc``'s ledger,
+    on ``router`` (``create_app`` passes its own: the routes are the app's, with no included router
+    to walk for each request), else on a new one."""
     led = svc.ledger
     Who = Annotated[Caller, Depends(svc.reader)]
     Releaser = Annotated[Caller, Depends(svc.releaser)]
     Admin = Annotated[Caller, Depends(svc.admin)]
-    router = APIRouter()
+    router = APIRouter() if router is None else router
 
     def session_out(p: str, session_id: str) -> SessionOut:
         budget, spent = led.budget(p), led.spent(p)
