@@ -195,6 +195,12 @@ def test_parameter_validation(tiny_gpt2):
         HiddenStatePrivatizer(tiny_gpt2, clip_norm=1.0)
     with pytest.raises(InvalidParameter, match="sigma"):
         HiddenStatePrivatizer(tiny_gpt2, clip_norm=1.0, sigma=0.0)
+    # a noise multiplier outside what the accountants certify is refused before any release
+    with pytest.raises(InvalidParameter, match=r"sigma=1e-05.*clip_norm=1\.0"):
+        HiddenStatePrivatizer(tiny_gpt2, clip_norm=1.0, sigma=1e-5)
+    with pytest.raises(InvalidParameter, match=r"sigma=10000000000000\.0"):
+        HiddenStatePrivatizer(tiny_gpt2, clip_norm=1.0, sigma=1e13)  # above 2e12
+    HiddenStatePrivatizer(tiny_gpt2, clip_norm=1.0, sigma=2e-4)  # the smallest accepted (sensitivity 2)
     with pytest.raises(InvalidParameter, match="delta"):
         HiddenStatePrivatizer(tiny_gpt2, clip_norm=1.0, epsilon=1.0)
     with pytest.raises(InvalidParameter, match="clip_norm"):

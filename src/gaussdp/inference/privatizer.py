@@ -210,7 +210,8 @@ class HiddenStatePrivatizer(SetOnce):
             if not NOISE_MULTIPLIER_MIN <= self.noise_multiplier <= NOISE_MULTIPLIER_MAX:
                 # refused here, before any release, naming what the caller gave
                 raise InvalidParameter(
-                    f"sigma / sensitivity must be in [{NOISE_MULTIPLIER_MIN:g}, {NOISE_MULTIPLIER_MAX:g}], got "
+                    f"sigma / sensitivity must be in [{NOISE_MULTIPLIER_MIN:g}, {NOISE_MULTIPLIER_MAX:g}], "
+                    "got "
                     f"sigma={self.sigma!r}, sensitivity={self.sensitivity!r} (clip_norm={clip_norm!r}): "
                     "outside it no accountant certifies a bound"
                 )

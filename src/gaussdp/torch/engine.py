@@ -35,6 +35,7 @@ from gaussdp._validate import (
     check_nonnegative,
     check_positive,
 )
+from gaussdp.accounting.events import NOISE_MULTIPLIER_MAX, NOISE_MULTIPLIER_MIN
 from gaussdp.errors import InvalidParameter, NotPrivateWarning
 from gaussdp.torch._clipper import PerSampleClipper
 from gaussdp.torch._probe import ProbeReport, run_probe
@@ -316,6 +317,7 @@ class PrivacyEngine:
         if not isinstance(batch_first, bool):
             raise TypeError(f"batch_first must be a bool, got batch_first={batch_first!r}")
         sigma = check_nonnegative("noise_multiplier", noise_multiplier)
+        _check_noise_domain(sigma, poisson_sampling)
         if clipping != "per_layer" or not isinstance(max_grad_norm, Sequence):
             check_positive("max_grad_norm", max_grad_norm)  # lists are checked by the clipper
         if self.clipper is not None:
@@ -596,10 +598,30 @@ class PrivacyEngine:
                 self._pass_seen, self._pass_mu2 = pass_id, 0.0
             need = (2.0 / sigma) ** 2
             if need > self._pass_mu2 * (1.0 + 1e-12):
-                self.accountant.compose(GaussianEvent(1.0 / math.sqrt(need - self._pass_mu2)))
+                # a missing mu^2 too small to state is charged at the largest multiplier the
+                # accountants certify: a smaller multiplier, so more than is owed, never less
+                missing = 1.0 / math.sqrt(need - self._pass_mu2)
+                self.accountant.compose(GaussianEvent(min(missing, NOISE_MULTIPLIER_MAX)))
                 self._pass_mu2 = need
         self.accountant.step(noised=sigma > 0)
         self.noise_multiplier = sigma
+
+
+def _check_noise_domain(sigma: float, poisson_sampling: bool) -> None:
+    """Refuse, at make_private, a multiplier whose steps no accountant certifies: Poisson steps
+    are charged at ``sigma``, fixed-batch passes at ``sigma / 2`` (sensitivity 2C)."""
+    if sigma == 0:
+        return  # not private, and said so by a NotPrivateWarning
+    lo, hi = (
+        (NOISE_MULTIPLIER_MIN, NOISE_MULTIPLIER_MAX)
+        if poisson_sampling
+        else (2 * NOISE_MULTIPLIER_MIN, 2 * NOISE_MULTIPLIER_MAX)
+    )
+    if not lo <= sigma <= hi:
+        raise InvalidParameter(
+            f"noise_multiplier must be 0 or in [{lo:g}, {hi:g}] with poisson_sampling={poisson_sampling}, "
+            f"got noise_multiplier={sigma!r}: outside it no accountant certifies a bound"
+        )
 
 
 class DPLoss(nn.Module):
