@@ -25,8 +25,7 @@ from gaussdp._validate import (
     check_probability,
 )
 from gaussdp.accounting.advanced import advanced_bound
-from gaussdp.accounting.base import Accountant, upper_bound_accountant
-from gaussdp.accounting.base import accountant as make_accountant
+from gaussdp.accounting.base import Accountant
 from gaussdp.accounting.events import (
     Event,
     GaussianEvent,
@@ -34,6 +33,7 @@ from gaussdp.accounting.events import (
     check_count,
 )
 from gaussdp.accounting.inverse import noise_for_epsilon
+from gaussdp.accounting.registry import accountant as make_accountant
 from gaussdp.calibration import delta_for, epsilon_for, sigma_for
 from gaussdp.errors import BudgetExhausted
 
@@ -99,7 +99,7 @@ class PrivacyBudget:
         self.num_rounds = check_count(num_rounds, "num_rounds")
         self.sample_rate = check_probability("sample_rate", sample_rate)
         self.accountant_name = accountant
-        self._acc: Accountant = upper_bound_accountant(accountant)  # the budget must provably hold
+        self._acc: Accountant = make_accountant(accountant)  # the budget must provably hold
         self.noise_multiplier = noise_for_epsilon(
             target_epsilon=self.epsilon,
             delta=self.delta,

@@ -119,12 +119,12 @@ class Composer:
     def check_accountant(name: str) -> None:
         """Refuse an accountant name the accounting layer does not know, or one whose epsilon is an
         approximation (a budget it enforces would be no bound), naming the argument."""
-        from gaussdp.accounting import upper_bound_accountant
+        from gaussdp.accounting import accountant as make_accountant
 
         if not isinstance(name, str):
             raise TypeError(f"accountant must be a str, got accountant={name!r}")
         try:
-            upper_bound_accountant(name)
+            make_accountant(name)
         except PrivacyError:
             raise
         except (KeyError, ValueError) as exc:
@@ -138,12 +138,12 @@ class Composer:
 
     def _epsilon(self, accountant_name: str, delta: float, history: History) -> float:
         """Composed epsilon at ``delta`` of ``history``; ``inf`` when the accountant has no finite bound."""
-        from gaussdp.accounting import accountant
+        from gaussdp.accounting import accountant as make_accountant
 
         if not history:
             return 0.0
         check_work_limit()
-        acc = accountant(accountant_name)
+        acc = make_accountant(accountant_name)
         for key, count in history:
             acc.compose(self._event(key), count)
         try:

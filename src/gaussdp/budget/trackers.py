@@ -31,12 +31,11 @@ from gaussdp._validate import (
     real_number,
 )
 from gaussdp.accounting.advanced import advanced_bound
-from gaussdp.accounting.base import accountant as make_accountant
-from gaussdp.accounting.base import upper_bound_accountant
 from gaussdp.accounting.events import (
     EpsilonDeltaEvent,
     Event,
 )
+from gaussdp.accounting.registry import accountant as make_accountant
 from gaussdp.budget._types import Budget
 from gaussdp.budget.adapters import SessionLedger
 from gaussdp.budget.ledger import Ledger
@@ -146,7 +145,7 @@ class PrivacyAccountant:
             None if target_epsilon is None else check_epsilon(target_epsilon, "target_epsilon")
         )
         self.target_delta = None if target_delta is None else check_delta(target_delta, "target_delta")
-        upper_bound_accountant(accountant)  # validate the name; totals must be upper bounds
+        make_accountant(accountant)  # validate the name; totals must be upper bounds
         self.accountant_name = accountant
         self.expenditures: list[PrivacyExpenditure] = []
         self.ledger: Any = None
@@ -260,7 +259,7 @@ class PrivacyAccountant:
         name = accountant or self.accountant_name
         if name == "basic" or total_delta <= 0.0 or total_delta >= 1.0:
             return (basic_eps, total_delta)
-        acc = upper_bound_accountant(name)
+        acc = make_accountant(name)
         for e in self.expenditures:
             acc.compose(e.event if e.event is not None else EpsilonDeltaEvent(e.epsilon, e.delta))
         return (min(basic_eps, acc.epsilon(total_delta)), total_delta)
@@ -272,7 +271,7 @@ class PrivacyAccountant:
         name = accountant or self.accountant_name
         if name == self.ledger.accountant(self.principal):
             return (float(spent.epsilon), float(spent.delta))
-        acc = upper_bound_accountant(name)
+        acc = make_accountant(name)
         for ev, count in self.ledger.events(self.principal):
             acc.compose(ev, count)
         return (min(float(spent.epsilon), acc.epsilon(spent.delta)), float(spent.delta))
