@@ -88,4 +88,3 @@ __all__ = [
     "to_dp_event",
     "tree_aggregation_event",
 ]
-
