@@ -141,5 +141,5 @@ def test_the_accounting_layer_has_no_tracker_names() -> None:
     # The trackers live in the budget layer only; accounting has no shim that reaches up for them.
     import gaussdp.accounting
 
-    for name in ("BudgetState", "PrivacyBudgetTracker", "PrivacyExpenditure", "PrivacyAccountant"):
+    for name in ("BudgetState", "PrivacyBudgetTracker", "PrivacyExpenditure", "PrivacyTracker"):
         assert not hasattr(gaussdp.accounting, name), name

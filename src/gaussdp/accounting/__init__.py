@@ -18,7 +18,7 @@ from gaussdp.accounting._schedule import (
 from gaussdp.accounting.advanced import AdvancedComposition
 from gaussdp.accounting.base import Accountant, UnsupportedEvent
 from gaussdp.accounting.basic import BasicComposition
-from gaussdp.accounting.documents import (
+from gaussdp.accounting.run_budget import (
     PrivacyBudget,
     PrivacyParams,
     advanced_composition_epsilon,

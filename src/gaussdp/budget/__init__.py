@@ -18,7 +18,7 @@ from gaussdp.budget.store import (
     TenantLimitExceeded,
     UnknownPrincipal,
 )
-from gaussdp.budget.trackers import BudgetState, PrivacyAccountant, PrivacyBudgetTracker, PrivacyExpenditure
+from gaussdp.budget.trackers import BudgetState, PrivacyTracker, PrivacyBudgetTracker, PrivacyExpenditure
 from gaussdp.errors import BudgetExhausted
 
 __all__ = [
@@ -29,7 +29,7 @@ __all__ = [
     "Ledger",
     "LedgerContention",
     "PrincipalConflict",
-    "PrivacyAccountant",
+    "PrivacyTracker",
     "PrivacyBudgetTracker",
     "PrivacyExpenditure",
     "Receipt",

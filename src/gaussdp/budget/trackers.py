@@ -1,6 +1,6 @@
 """The ledger-backed privacy trackers of the federated anomaly detector and the inference server.
 
-* The federated anomaly detector: :class:`PrivacyAccountant`, basic composition by default as documented, with
+* The federated anomaly detector: :class:`PrivacyTracker`, basic composition by default as documented, with
   an ``accountant=`` option for tighter totals.
 * The private inference server: :class:`PrivacyBudgetTracker`, per-session advanced composition; it
   refuses a spend that would exceed the budget (the original design only warned; ``policy="warn"``
@@ -42,7 +42,7 @@ from gaussdp.budget.ledger import Ledger
 from gaussdp.budget.store import UnknownPrincipal
 from gaussdp.errors import InvalidParameter, PrivacyError, PrivacyWarning
 
-__all__ = ["BudgetState", "PrivacyAccountant", "PrivacyBudgetTracker", "PrivacyExpenditure"]
+__all__ = ["BudgetState", "PrivacyTracker", "PrivacyBudgetTracker", "PrivacyExpenditure"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class PrivacyExpenditure:
         return out
 
 
-class PrivacyAccountant:
+class PrivacyTracker:
     """Records privacy spends and totals them: basic composition by default, as documented.
 
     ``get_total_privacy(accountant="pld")`` composes the same spends with a tighter accountant: a
@@ -125,7 +125,7 @@ class PrivacyAccountant:
         gaussdp.budget.PrincipalConflict: ``principal`` is open on the ledger with another budget or
             accountant.
 
-    >>> acc = PrivacyAccountant(target_epsilon=5.0)
+    >>> acc = PrivacyTracker(target_epsilon=5.0)
     >>> acc.record_expenditure(epsilon=1.0, delta=1e-5, round_num=1)
     >>> acc.record_expenditure(epsilon=1.0, delta=1e-5, round_num=2)
     >>> acc.get_total_privacy(), acc.check_budget(), acc.get_remaining_budget()
