@@ -1,9 +1,11 @@
 """A DP-SGD run's budget: its parameters, the per-round noise that keeps it, and the run helpers.
 
-* The DP-SGD privacy manager's accounting API, with correct math: :class:`PrivacyParams`,
-  :class:`PrivacyBudget` and the helpers (epsilon, delta and noise scale of a run). Its per-round split ``epsilon_round = epsilon / sqrt(T)`` is *not* what the advanced
-  composition theorem gives; here the per-round noise is chosen with an accountant so that the
-  ``num_rounds`` rounds provably stay within (epsilon, delta).
+The DP-SGD privacy manager's accounting API, with correct math: :class:`PrivacyParams`,
+:class:`PrivacyBudget` and the helpers (epsilon, delta and noise scale of a run). The manager's
+per-round split ``epsilon_round = epsilon / sqrt(T)`` is *not* what the advanced composition
+theorem gives; here the per-round noise is chosen with an accountant so that the ``num_rounds``
+rounds provably stay within (epsilon, delta).
+
 The ledger-backed trackers of the federated anomaly detector and of the inference server
 (:class:`PrivacyTracker`, :class:`PrivacyBudgetTracker`) live in :mod:`gaussdp.budget.trackers`,
 above the ledger they use.
