@@ -18,15 +18,6 @@ from gaussdp.accounting._schedule import (
 from gaussdp.accounting.advanced import AdvancedComposition
 from gaussdp.accounting.base import Accountant, UnsupportedEvent
 from gaussdp.accounting.basic import BasicComposition
-from gaussdp.accounting.run_budget import (
-    PrivacyBudget,
-    PrivacyParams,
-    advanced_composition_epsilon,
-    basic_composition_epsilon,
-    compute_delta_from_epsilon,
-    compute_epsilon_from_delta,
-    estimate_noise_scale,
-)
 from gaussdp.accounting.events import (
     ComposedEvent,
     DiscreteGaussianEvent,
@@ -48,6 +39,15 @@ from gaussdp.accounting.inverse import noise_for_epsilon
 from gaussdp.accounting.pld import PLDAccountant
 from gaussdp.accounting.rdp import RDPAccountant
 from gaussdp.accounting.registry import accountant, available_accountants
+from gaussdp.accounting.run_budget import (
+    PrivacyBudget,
+    PrivacyParams,
+    advanced_composition_epsilon,
+    basic_composition_epsilon,
+    compute_delta_from_epsilon,
+    compute_epsilon_from_delta,
+    estimate_noise_scale,
+)
 
 __all__ = [
     "Accountant",

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, ClassVar, Self
 import numpy as np
 
 from gaussdp._lazy import lazy_module
+from gaussdp._neighbouring import Neighbouring
 from gaussdp._validate import check_delta, real_number
 from gaussdp.accounting.events import (
     EpsilonDeltaEvent,
@@ -67,10 +68,10 @@ class Accountant(abc.ABC):
         self._counts: dict[Event, int] = {}
         self._history: list[tuple[Event, int]] = []
         self._cache: dict[tuple[str, float], float] = {}
-        self._relation: str | None = None
+        self._relation: Neighbouring | None = None
 
     @property
-    def neighboring_relation(self) -> str | None:
+    def neighboring_relation(self) -> Neighbouring | None:
         """``"add_remove"`` or ``"replace_one"`` once an event fixing it is composed, else ``None``."""
         return self._relation
 

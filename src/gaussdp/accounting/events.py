@@ -7,16 +7,17 @@ from the dataclass fields: a new event kind is its class alone) so that a ledger
 database; :func:`event_json` is the one canonical JSON of an event (sorted keys, compact).
 
 Neighbouring relation: **add/remove of one record** unless an event says otherwise. Each event
-class declares ``neighboring_relation``: ``"add_remove"`` (Poisson-subsampled Gaussian steps),
-``"replace_one"`` (fixed-size batches, replace-one Poisson steps: the dataset size is public and one
-record is substituted), or ``None`` for mechanisms whose guarantee is stated in terms of the
-sensitivity under whichever relation the composition uses (Gaussian, Laplace, discrete Gaussian,
-(epsilon, delta), privacy-loss histograms). An accountant refuses to compose events of both
-relations. For a Gaussian event the query has L2 sensitivity 1 under the relation in force once the
-noise is expressed as a noise multiplier (sigma / sensitivity); under replace-one the sensitivity of
-a clipped sum is twice the clip norm, so a :class:`GaussianEvent` for such a sum carries half the
-noise multiplier. The replace-one *sampled* events below instead take the DP-SGD noise multiplier
-(noise standard deviation / clip norm) and account for the doubling themselves.
+class declares ``neighboring_relation``, a :class:`~gaussdp._neighbouring.Neighbouring`:
+``"add_remove"`` (Poisson-subsampled Gaussian steps), ``"replace_one"`` (fixed-size batches,
+replace-one Poisson steps: the dataset size is public and one record is substituted), or ``None``
+for mechanisms whose guarantee is stated in terms of the sensitivity under whichever relation the
+composition uses (Gaussian, Laplace, discrete Gaussian, (epsilon, delta), privacy-loss histograms).
+An accountant refuses to compose events of both relations. For a Gaussian event the query has
+L2 sensitivity 1 under the relation in force once the noise is expressed as a noise multiplier
+(sigma / sensitivity); under replace-one the sensitivity of a clipped sum is twice the clip norm,
+so a :class:`GaussianEvent` for such a sum carries half the noise multiplier. The replace-one
+*sampled* events below instead take the DP-SGD noise multiplier (noise standard deviation / clip
+norm) and account for the doubling themselves.
 """
 
 from __future__ import annotations
@@ -31,12 +32,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from gaussdp._neighbouring import Neighbouring
 from gaussdp._validate import check_delta, check_positive, check_probability, real_number
 from gaussdp.errors import InvalidParameter
 
 __all__ = [
-    "ADD_REMOVE",
-    "REPLACE_ONE",
     "ComposedEvent",
     "DiscreteGaussianEvent",
     "EpsilonDeltaEvent",
@@ -55,8 +55,6 @@ __all__ = [
     "neighboring_relation_of",
 ]
 
-ADD_REMOVE = "add_remove"
-REPLACE_ONE = "replace_one"
 
 #: The noise multipliers (noise standard deviation / L2 sensitivity) the Gaussian events accept.
 #: Below 1e-4 one sampled record's privacy loss exceeds 5e7 nats: no grid resolves it next to the
@@ -83,7 +81,7 @@ class Event:
     kind: ClassVar[str] = "event"
     #: The neighbouring relation the event's guarantee is stated under; ``None``: whichever the
     #: composition uses (the mechanism is described through its sensitivity under that relation).
-    neighboring_relation: ClassVar[str | None] = None
+    neighboring_relation: ClassVar[Neighbouring | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -156,7 +154,7 @@ class SubsampledGaussianEvent(_PoissonGaussianFields):
     """
 
     kind: ClassVar[str] = "subsampled_gaussian"
-    neighboring_relation: ClassVar[str | None] = ADD_REMOVE
+    neighboring_relation: ClassVar[Neighbouring | None] = Neighbouring.ADD_REMOVE
 
 
 @dataclass(frozen=True)
@@ -197,7 +195,7 @@ class ReplaceOneSubsampledGaussianEvent(_PoissonGaussianFields):
     """
 
     kind: ClassVar[str] = "replace_one_subsampled_gaussian"
-    neighboring_relation: ClassVar[str | None] = REPLACE_ONE
+    neighboring_relation: ClassVar[Neighbouring | None] = Neighbouring.REPLACE_ONE
 
 
 @dataclass(frozen=True)
@@ -218,7 +216,7 @@ class FixedBatchGaussianEvent(Event):
     batch_size: int
     dataset_size: int
     kind: ClassVar[str] = "fixed_batch_gaussian"
-    neighboring_relation: ClassVar[str | None] = REPLACE_ONE
+    neighboring_relation: ClassVar[Neighbouring | None] = Neighbouring.REPLACE_ONE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "noise_multiplier", check_noise_multiplier(self.noise_multiplier))
@@ -445,7 +443,7 @@ def _leaf_classes() -> tuple[type[Event], ...]:
     return tuple(cls for cls in _KINDS.values() if cls not in _COMPOSITIONS)
 
 
-def neighboring_relation_of(event: Event) -> str | None:
+def neighboring_relation_of(event: Event) -> Neighbouring | None:
     """The neighbouring relation ``event``'s leaves fix (``None``: any), refusing a mix of both.
 
     Raises:
@@ -454,7 +452,7 @@ def neighboring_relation_of(event: Event) -> str | None:
     rels = {leaf.neighboring_relation for leaf, _ in flatten_event(event)} - {None}
     if len(rels) > 1:
         raise InvalidParameter(
-            f"event mixes neighbouring relations {sorted(r for r in rels if r)}: an add/remove "
+            f"event mixes neighbouring relations {sorted(str(r) for r in rels if r)}: an add/remove "
             "guarantee and a replace-one guarantee do not compose into either"
         )
     return rels.pop() if rels else None

@@ -42,7 +42,7 @@ from gaussdp.budget.ledger import Ledger
 from gaussdp.budget.store import UnknownPrincipal
 from gaussdp.errors import InvalidParameter, PrivacyError, PrivacyWarning
 
-__all__ = ["BudgetState", "PrivacyTracker", "PrivacyBudgetTracker", "PrivacyExpenditure"]
+__all__ = ["BudgetState", "PrivacyBudgetTracker", "PrivacyExpenditure", "PrivacyTracker"]
 
 logger = logging.getLogger(__name__)
 

@@ -143,7 +143,7 @@ def privacy_accountant(ledger: Any, principal: str) -> Any:
     ledger's own figure. The ledger stays the source of truth; this is a read-only view.
     """
     from gaussdp.accounting import accountant, event_from_dict
-    from gaussdp.budget.trackers import PrivacyTracker, PrivacyExpenditure
+    from gaussdp.budget.trackers import PrivacyExpenditure, PrivacyTracker
 
     led = _as_ledger(ledger)
     budget = led.budget(principal)
