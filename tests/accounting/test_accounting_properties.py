@@ -45,12 +45,13 @@ def test_exports_match_all():
         "advanced",
         "base",
         "basic",
-        "documents",
         "events",
         "gdp",
         "inverse",
         "pld",
         "rdp",
+        "registry",
+        "run_budget",
         "annotations",
     }
     assert set(acc_pkg.__all__) == public - modules

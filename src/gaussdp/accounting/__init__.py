@@ -8,6 +8,7 @@ upper bounds on the true epsilon(delta).
 
 from __future__ import annotations
 
+from gaussdp._neighbouring import Neighbouring
 from gaussdp.accounting._dp_accounting import from_dp_event, to_dp_event
 from gaussdp.accounting._schedule import (
     banded_matrix_factorization_event,
@@ -61,6 +62,7 @@ __all__ = [
     "GDPAccountant",
     "GaussianEvent",
     "LaplaceEvent",
+    "Neighbouring",
     "PLDAccountant",
     "PrivacyBudget",
     "PrivacyLossDistributionEvent",
