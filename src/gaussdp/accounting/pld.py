@@ -34,9 +34,16 @@ Chernoff bound on its delta (from the cached per-event moment generating functio
 lie below the remove direction's answer.
 
 Online use costs O(1) per ``compose`` (a dict increment). A query makes a full composition (the
-checkpoint) when nothing usable is kept; after up to ``_ONLINE_STEPS`` more steps of one event it
+checkpoint) when nothing usable is kept; after up to ``ONLINE_STEPS`` more steps of one event it
 convolves the checkpoint's delta profile with the cached PMF of those steps at the few grid points
-its search needs (:class:`_Stepped`): the same discrete PLD, at dot-product cost.
+its search needs (``Stepped``): the same discrete PLD, at dot-product cost.
+
+Where each part lives: this module holds the accountant, which only chooses the path (closed form,
+one exact step, the FFT composition, the small-delta path, the RDP and basic fallbacks);
+:mod:`~gaussdp.accounting._pld_values` the discrete PLDs, their compositions and connect-the-dots;
+:mod:`~gaussdp.accounting._pld_grid` the grid and each event's discretisation;
+:mod:`~gaussdp.accounting._pld_fft` the FFT engine (windows, spectra, online checkpoints);
+:mod:`~gaussdp.accounting._pld_small` the exact one-step profile and the tilted small-delta path.
 
 References:
     Koskela, A., Jalko, J. & Honkela, A. (2020). Computing Tight Differential Privacy Guarantees
