@@ -33,6 +33,7 @@ from gaussdp.accounting._pld_values import (
     MAX_FFT,
     Composed,
     Direction,
+    FloatArray,
     LeafPMF,
     MFold,
     PerDirection,
@@ -68,6 +69,23 @@ def spectrum_power(spec: NDArray[np.complex128], c: int) -> NDArray[np.complex12
     keep = np.nonzero(spec.real * spec.real + spec.imag * spec.imag > floor * floor)[0]
     out[keep] = np.power(spec[keep], c)
     return out
+
+
+def circular_spectrum(start: int, values: FloatArray, n: int) -> NDArray[np.complex128]:
+    """The real FFT of ``values`` placed at grid indices ``start, start + 1, ...`` modulo ``n``."""
+    buf = np.zeros(n)
+    np.add.at(buf, (start + np.arange(len(values))) % n, values)
+    spec: NDArray[np.complex128] = fft.rfft(buf)
+    return spec
+
+
+def window_pmf(spec: NDArray[np.complex128], n: int, start: int) -> FloatArray:
+    """The composed PMF from its spectrum, rotated so that index 0 is grid index ``start``.
+
+    Negative entries (FFT rounding, covered by the allowances) are set to 0.
+    """
+    pmf: FloatArray = np.maximum(np.roll(fft.irfft(spec, n=n), -(start % n)), 0.0)
+    return pmf
 
 
 def window(parts: list[tuple[LeafPMF, int]], h: float, tail_mass: float) -> tuple[float, float, float]:
@@ -212,12 +230,8 @@ class FFTEngine:
         lo, hi, tail = window([(leaf, m)], h, self.grid.tail_mass)
         start = math.floor(lo / h)
         n = int(fft.next_fast_len(math.ceil(hi / h) - start + 1, real=True))
-        buf = np.zeros(n)
-        np.add.at(buf, (leaf.start + np.arange(len(leaf.pmf))) % n, leaf.pmf)
-        spec = fft.rfft(buf)
-        pmf = np.maximum(
-            np.roll(fft.irfft(spec if m == 1 else spectrum_power(spec, m), n=n), -(start % n)), 0.0
-        )
+        spec = circular_spectrum(leaf.start, leaf.pmf, n)
+        pmf = window_pmf(spec if m == 1 else spectrum_power(spec, m), n, start)
         nz = np.nonzero(pmf)[0]
         if len(nz) == 0:
             nz = np.array([0])
@@ -244,8 +258,7 @@ class FFTEngine:
         inf_mass = -math.expm1(log_finite)
         lo, hi, tail = window(parts, h, self.grid.tail_mass)
         n, start, spec = self.spectrum(direction, h, parts, lo, hi)
-        circ = fft.irfft(spec, n=n)
-        pmf = np.maximum(np.roll(circ, -(start % n)), 0.0)
+        pmf = window_pmf(spec, n, start)
         a_suf, g_suf, delta_grid = delta_profile(pmf, h, inf_mass + tail + self.fft_floor)
         return Composed(h, start, pmf, inf_mass, tail + self.fft_floor, delta_grid, a_suf, g_suf)
 
@@ -298,9 +311,6 @@ class FFTEngine:
         key = (id(p), n)
         hit = self._spec_cache.get(key)
         if hit is None:
-            a = np.zeros(n)
-            idx = (p.start + np.arange(len(p.pmf))) % n
-            np.add.at(a, idx, p.pmf)
-            hit = fft.rfft(a)
+            hit = circular_spectrum(p.start, p.pmf, n)
             self._spec_cache[key] = hit
         return hit

@@ -24,7 +24,7 @@ import numpy as np
 from scipy import special
 
 from gaussdp._lazy import lazy_module
-from gaussdp.accounting._pld_fft import spectrum_power, window
+from gaussdp.accounting._pld_fft import circular_spectrum, spectrum_power, window, window_pmf
 from gaussdp.accounting._pld_grid import Discretisation
 from gaussdp.accounting._pld_values import (
     LAMBDAS,
@@ -116,12 +116,10 @@ def _tilted_epsilon(
         with np.errstate(divide="ignore"):
             lw = np.log(p.pmf) + lam * x
         lm = float(special.logsumexp(lw))
-        buf = np.zeros(n)
-        np.add.at(buf, (p.start + np.arange(len(p.pmf))) % n, np.exp(lw - lm))
-        ls = fft.rfft(buf)
+        ls = circular_spectrum(p.start, np.exp(lw - lm), n)
         spec *= ls if c == 1 else spectrum_power(ls, c)
         log_m += c * lm
-    tilted = np.maximum(np.roll(fft.irfft(spec, n=n), -(start % n)), 0.0)
+    tilted = window_pmf(spec, n, start)
     x_win = (start + np.arange(n)) * h
     # untilt: p_j = exp(log_m - lam x_j) * tilted_j; entries far below epsilon may overflow and
     # are garbage, but the search below runs from the top and never reads past the crossing.
