@@ -99,13 +99,25 @@ class Event:
         their dicts, tuples as lists.
         """
         out: dict[str, Any] = {"type": self.kind}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]  # every concrete event is a dataclass
-            out[f.name] = _encode(getattr(self, f.name))
+        for name in _field_names(type(self)):
+            value = getattr(self, name)
+            out[name] = value if isinstance(value, _PLAIN) else _encode(value)
         return out
 
 
 # kind -> event class, filled as the classes below are defined (Event.__init_subclass__).
 _KINDS: dict[str, type[Event]] = {}
+
+
+_PLAIN = (float, int, str)  # JSON values as they are (a ledger serialises every charge's event)
+_FIELD_NAMES: dict[type[Event], tuple[str, ...]] = {}
+
+
+def _field_names(cls: type[Event]) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+    return names
 
 
 def _encode(value: Any) -> Any:
