@@ -20,7 +20,7 @@ from gaussdp.accounting import (
     estimate_noise_scale,
     noise_for_epsilon,
 )
-from gaussdp.budget import PrivacyTracker, PrivacyBudgetTracker
+from gaussdp.budget import PrivacyBudgetTracker, PrivacyTracker
 from gaussdp.calibration import classical_sigma, epsilon_for, sigma_for
 from gaussdp.errors import BudgetExhausted, InvalidParameter, PrivacyWarning
 

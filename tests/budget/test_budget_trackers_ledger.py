@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gaussdp.accounting import GaussianEvent
-from gaussdp.budget import Ledger, PrincipalConflict, PrivacyTracker, PrivacyBudgetTracker
+from gaussdp.budget import Ledger, PrincipalConflict, PrivacyBudgetTracker, PrivacyTracker
 from gaussdp.errors import BudgetExhausted, InvalidParameter, PrivacyError, PrivacyWarning
 
 # Mixed query sizes: after the first refusal, smaller queries may still fit, so the whole
