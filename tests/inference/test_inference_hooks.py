@@ -220,7 +220,7 @@ def test_calibration_follows_the_stated_relation():
     assert replace.noise_multiplier == pytest.approx(replace.sigma / 2.0)
     assert replace.epsilon_per_row <= 1.0 + 1e-9
     addrm = HiddenStatePrivatizer(
-        None, nn.Linear(2, 2), clip_norm=1.0, sigma=4.8448, delta=1e-5, neighbouring="add-remove"
+        None, nn.Linear(2, 2), clip_norm=1.0, sigma=4.8448, delta=1e-5, neighbouring="add_remove"
     )
     # document 000's sigma at Delta_f = C = 1 really buys epsilon 0.751 per row (not 1.0) ...
     assert addrm.epsilon_per_row == pytest.approx(epsilon_for(sigma=4.8448, delta=1e-5), rel=1e-9)
