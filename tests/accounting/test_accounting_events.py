@@ -174,6 +174,12 @@ def test_event_from_dict_rejects_unknown_and_incomplete():
         event_from_dict([("type", "gaussian")])  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         event_from_dict({"type": "self_composed", "event": "gaussian", "count": 2})
+    # a misspelt field is refused, not replaced by its default (count=1 would undercharge)
+    inner = GaussianEvent(1.0).to_dict()
+    with pytest.raises(InvalidParameter, match=r"unknown fields \['cuont'\]"):
+        event_from_dict({"type": "self_composed", "event": inner, "cuont": 1000})
+    with pytest.raises(InvalidParameter, match="unknown fields"):
+        event_from_dict({"type": "self_composed", "event": {**inner, "extra": 1}, "count": 2})
 
 
 def test_flatten_multiplies_counts_and_maps_full_sampling_to_gaussian():

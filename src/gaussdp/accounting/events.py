@@ -519,8 +519,13 @@ def event_from_dict(d: Mapping[str, Any]) -> Event:
     cls = _KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise InvalidParameter(f"unknown event type {kind!r} in event dict")
+    decoders = _field_decoders(cls)
+    unknown = sorted(set(d) - {"type"} - {name for name, _, _ in decoders})
+    if unknown:
+        # fail closed: a misspelt field must not fall back to its default (a count of 1, say)
+        raise InvalidParameter(f"event dict of type {kind!r} has unknown fields {unknown}")
     args = []
-    for name, default, decode in _field_decoders(cls):
+    for name, default, decode in decoders:
         if name in d:
             args.append(decode(d[name]))
         elif default is not dataclasses.MISSING:
