@@ -4,7 +4,8 @@ The flow is the library's: **clip each row of the embedding column to L2 norm ``
 release, add Gaussian noise calibrated to ``(epsilon, delta)`` at sensitivity ``C``, release**, with
 the other columns carried through untouched. Every block, in one process or in a Ray worker, is
 clipped by :func:`gaussdp.clipping.clip_rows` and noised by the core's row path with the sigma the
-driver calibrated once (:class:`gaussdp.mechanism.GaussianMechanism`), as :func:`gaussdp.embeddings.sanitize_npy` does.
+driver calibrated once (:class:`gaussdp.mechanism.GaussianMechanism`), as
+:func:`gaussdp.embeddings.sanitize_npy` does.
 
 What the guarantee covers: each row is one individual's embedding, released once. Under add/remove
 of one row (an absent row counting as the zero vector, the number of rows public) the release is

@@ -9,6 +9,7 @@ the clip or the sigma is computed here. The other columns are carried through un
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -123,8 +124,8 @@ def release_block(
     """Clip every row of ``column`` to ``clip_norm`` and add ``N(0, sigma^2)``: one release per row.
 
     ``sigma`` is the calibrated mechanism's (computed once, by the caller); the noise is drawn from
-    ``source``. Returns a :class:`pyarrow.Table`; the other columns are returned untouched, in the same order; the embedding column
-    keeps its Arrow type (float32 stays float32).
+    ``source``. Returns a :class:`pyarrow.Table`: the other columns untouched, in the same order; the
+    embedding column keeps its Arrow type (float32 stays float32).
 
     Raises:
         UnsafeInput: the column is missing, not float lists, ragged, null, NaN/Inf (nothing released).

@@ -270,8 +270,10 @@ def sanitize_dataset(
     first = next((b["file"] for b in blocks if b["rows"]), None)
     if first is not None:
         t = pq.read_schema(os.path.join(out, first)).field(column).type
-        cols = t.list_size if pa.types.is_fixed_size_list(t) else len(
-            pq.read_table(os.path.join(out, first), columns=[column]).column(column)[0]
+        cols = (
+            t.list_size
+            if pa.types.is_fixed_size_list(t)
+            else len(pq.read_table(os.path.join(out, first), columns=[column]).column(column)[0])
         )
     return TableReport(
         out_path=out,
@@ -325,4 +327,3 @@ def read_manifest(out_dir: str) -> dict[str, Any]:
     """The manifest of a finished job (its release record and committed blocks)."""
     with open(os.path.join(out_dir, MANIFEST), encoding="utf-8") as f:
         return dict(json.load(f))
-

@@ -139,7 +139,9 @@ def sanitize_parquet(
         try:
             pf = pq.ParquetFile(raw)
         except (pa.ArrowInvalid, OSError) as exc:
-            raise UnsafeInput(f"in_path {os.fspath(in_path)!r} is not a readable Parquet file: {exc}") from None
+            raise UnsafeInput(
+                f"in_path {os.fspath(in_path)!r} is not a readable Parquet file: {exc}"
+            ) from None
         where = f"in_path {os.fspath(in_path)!r}"
         schema = pf.schema_arrow
         check_embedding_field(schema, column, where)
