@@ -31,6 +31,7 @@ _TOP = {
     "finetune": APPLICATIONS,
     "sgd": APPLICATIONS,
     "embeddings": APPLICATIONS,
+    "tables": APPLICATIONS,
     "paramdict": APPLICATIONS,
     "audit": APPLICATIONS,
     "cli": SURFACES,

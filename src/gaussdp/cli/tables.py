@@ -46,14 +46,20 @@ def ledger_charge(
         raise InvalidParameter("--ledger and --session go together (the ledger URL and the session charged)")
     if (budget_epsilon is None) != (budget_delta is None):
         raise InvalidParameter("--budget-epsilon and --budget-delta go together")
-    from gaussdp.budget import Budget, Ledger
+    from gaussdp.budget import Budget, Ledger, UnknownPrincipal
 
     ledger = Ledger(ledger_url)
     try:
         if budget_epsilon is not None and budget_delta is not None:
             ledger.open(session, Budget(epsilon=budget_epsilon, delta=budget_delta))
         else:
-            ledger.budget(session)  # UnknownPrincipal before any work, not after it
+            ledger.budget(session)  # an unknown session is refused before any work, not after it
+    except UnknownPrincipal:
+        ledger.close()
+        raise InvalidParameter(
+            f"--session {session!r} was never opened on {ledger_url}: open it with --budget-epsilon and "
+            "--budget-delta (or through the service)"
+        ) from None
     except BaseException:
         ledger.close()
         raise
