@@ -225,3 +225,40 @@ def test_cli_engine_ray_charges_the_ledger_once(connected, tmp_path):
     with Ledger(db) as ledger:
         assert len(ledger.history("dataset-42")) == 1
     assert os.path.isfile(tmp_path / "out" / MANIFEST)
+
+
+def test_readme_parquet_and_ray_commands(connected, tmp_path):
+    """README's ``<!-- readme-data -->`` commands, run as written in a fresh directory.
+
+    The reader's ``ray start --head`` and ``ray stop`` are this module's cluster (started and stopped
+    by the fixture; ``ray stop`` would stop every Ray process on the machine): its address replaces
+    ``127.0.0.1:6380``.
+    """
+    import re
+    import shlex
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    start = readme.index("<!-- readme-data -->")
+    block = re.search(r"```console\n(.*?)```", readme[start:], flags=re.S)
+    assert block is not None
+    commands = [line[2:] for line in block.group(1).splitlines() if line.startswith("$ ")]
+    assert commands[1] == "ray start --head --port=6380 --num-cpus=2" and commands[3] == "ray stop"
+    x, _ = embeddings_table(tmp_path / "embeddings.parquet", rows=1000)
+    for command in (commands[0], commands[2]):
+        argv = shlex.split(command.replace("127.0.0.1:6380", connected.address))
+        assert argv[0] == "gaussdp"
+        done = subprocess.run(
+            [sys.executable, "-m", "gaussdp.cli", *argv[1:]],
+            env=ray_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )
+        assert done.returncode == 0, f"{command}: {done.stderr[-3000:]}"
+        assert "true epsilon per individual" in done.stdout
+    assert pq.read_table(tmp_path / "sanitized.parquet").num_rows == len(x)
+    assert pq.read_table(tmp_path / "sanitized-ray").num_rows == len(x)
+    assert (tmp_path / "sanitized-ray" / MANIFEST).is_file()
+    with Ledger(f"sqlite:///{tmp_path / 'ledger.db'}") as ledger:
+        assert len(ledger.history("dataset-42")) == 2  # one charge per release

@@ -108,6 +108,10 @@ def sanitize_table(
             progress=progress,
         )
     require_extra("ray", feature="gaussdp sanitize --engine ray")
+    if "://" not in in_path:  # the workers' working directory is not ours: an absolute path
+        in_path = os.path.abspath(in_path)
+        if not os.path.exists(in_path):
+            raise FileNotFoundError(f"in_path {in_path!r} does not exist")
     import ray
     import ray.data
 

@@ -22,6 +22,7 @@ Needs the ``data`` extra (pyarrow, fsspec); :func:`sanitize_dataset` also the ``
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from gaussdp._extras import require_extra
@@ -42,7 +43,7 @@ def sanitize_dataset(*args: Any, **kwargs: Any) -> TableReport:
     return run(*args, **kwargs)
 
 
-def read_release(path: str) -> dict[str, Any]:
+def read_release(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The release record of a sanitized output: a Parquet file's metadata, or a Ray job's manifest.
 
     For a file, the record is the ``gaussdp.release`` entry of its key-value metadata
@@ -52,12 +53,12 @@ def read_release(path: str) -> dict[str, Any]:
         UnsafeInput: the output carries no gaussdp release record.
     """
     import json
-    import os
 
     import pyarrow.parquet as pq
 
     from gaussdp.errors import UnsafeInput
 
+    path = os.fspath(path)
     if os.path.isdir(path):
         manifest = os.path.join(path, "_manifest.json")
         if not os.path.isfile(manifest):
