@@ -124,7 +124,8 @@ def _sanitize_block(
     tmp = os.path.join(job.out_dir, _TMP, f"{part_name(index)}.{uuid.uuid4().hex}")
     try:
         with open(tmp, "wb") as f:
-            pq.write_table(out.replace_schema_metadata(meta), f)
+            plain = [name for name in out.schema.names if name != job.column]  # noise never repeats
+            pq.write_table(out.replace_schema_metadata(meta), f, use_dictionary=plain)
             f.flush()
             os.fsync(f.fileno())
         if fault is not None:

@@ -9,16 +9,19 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from gaussdp._npy_stream import _WorkerSources
 from gaussdp.errors import InvalidParameter, UnsafeInput
 from gaussdp.noise import SourceKind, noise_source
-from gaussdp.tables._columns import check_embedding_field, release_block
+from gaussdp.tables._columns import BlockStats, check_embedding_field, release_block
 from gaussdp.tables._release import TableRelease, check_positive_int
 
 __all__ = ["TableReport", "sanitize_parquet"]
@@ -86,6 +89,7 @@ def sanitize_parquet(
     batch_rows: int | None = None,
     charge: Callable[[Any], object] | None = None,
     progress: Callable[[int], None] | None = None,
+    workers: int | None = None,
 ) -> TableReport:
     """Clip and noise the embedding ``column`` of a Parquet file row by row; copy the other columns.
 
@@ -114,6 +118,8 @@ def sanitize_parquet(
             ``charge=lambda ev: ledger.charge("dataset-42", ev)``; if it raises
             (:class:`~gaussdp.errors.BudgetExhausted`) nothing is written.
         progress: called with the number of rows finished after each batch.
+        workers: threads clipping and noising batches (default: up to 2), each with its own noise
+            stream keyed from OS entropy; at most ``workers + 1`` batches are in memory at a time.
 
     Returns:
         A :class:`TableReport` (``engine="local"``).
@@ -126,6 +132,7 @@ def sanitize_parquet(
     rel = TableRelease.plan(column=column, epsilon=epsilon, delta=delta, clip_norm=clip_norm, noise=noise)
     if batch_rows is not None:
         batch_rows = check_positive_int("batch_rows", batch_rows)
+    workers = min(2, os.cpu_count() or 1) if workers is None else check_positive_int("workers", workers)
     src_fs, src, _ = _fs(in_path)
     dst_fs, dst, dst_local = _fs(out_path)
     if not src_fs.isfile(src):
@@ -150,36 +157,55 @@ def sanitize_parquet(
         tmp = f"{dst}.{uuid.uuid4().hex}.partial"
         if dst_local:
             tmp = os.path.join(os.path.dirname(dst), "." + os.path.basename(tmp))
-        source = noise_source(noise)  # OS entropy: this job's own stream
+        sources = _WorkerSources(noise, first=noise_source(noise))  # OS entropy, one stream per thread
         rows = n_clipped = groups = 0
         cols = 0
         sum_before = sum_after = 0.0
+
+        def work(batch: pa.RecordBatch, start: int) -> tuple[pa.Table, BlockStats]:
+            """Clip and noise one batch: runs in a worker thread (pyarrow and the noise release the GIL)."""
+            here = f"{where}, rows {start}..{start + batch.num_rows - 1}"
+            return release_block(
+                batch,
+                column=column,
+                sigma=rel.sigma,
+                clip_norm=rel.clip_norm,
+                source=sources.get(),
+                where=here,
+            )
+
+        # noised floats never repeat: dictionary-encoding the embedding column would be wasted work
+        plain = [name for name in schema.names if name != column]
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gaussdp-tables")
         try:
             with dst_fs.open(tmp, "wb") as sink:
-                writer = pq.ParquetWriter(sink, schema)
+                writer = pq.ParquetWriter(sink, schema, use_dictionary=plain)
                 try:
+                    # at most workers + 1 batches in flight, written in row order
+                    pending: deque[Future[tuple[pa.Table, BlockStats]]] = deque()
                     start = 0
-                    for batch in pf.iter_batches(batch_size=batch_rows):
-                        here = f"{where}, rows {start}..{start + batch.num_rows - 1}"
-                        out, stats = release_block(
-                            batch,
-                            column=column,
-                            sigma=rel.sigma,
-                            clip_norm=rel.clip_norm,
-                            source=source,
-                            where=here,
-                        )
+                    batches = pf.iter_batches(batch_size=batch_rows)
+                    while True:
+                        while len(pending) <= workers:
+                            batch = next(batches, None)
+                            if batch is None:
+                                break
+                            pending.append(pool.submit(work, batch, start))
+                            start += batch.num_rows
+                        if not pending:
+                            break
+                        out, stats = pending.popleft().result()
                         if not cols and stats.rows:
                             cols = len(out.column(column)[0])
                         writer.write_table(out)
-                        start += batch.num_rows
+                        del out
                         rows += stats.rows
                         n_clipped += stats.n_clipped
                         sum_before += stats.norm_sum_before
                         sum_after += stats.norm_sum_after
                         groups += 1
                         if progress is not None:
-                            progress(batch.num_rows)
+                            progress(stats.rows)
                     if rows == 0:
                         raise UnsafeInput(f"{where} has no rows")
                     rel.charge_with(charge)  # charge before release: the rename below is the release
@@ -194,9 +220,12 @@ def sanitize_parquet(
             else:
                 dst_fs.mv(tmp, dst)
         except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
             with contextlib.suppress(OSError, FileNotFoundError):
                 dst_fs.rm(tmp)
             raise
+        finally:
+            pool.shutdown(wait=True)
     return TableReport(
         out_path=os.fspath(out_path),
         column=column,
