@@ -115,7 +115,11 @@ def sanitize_table(
     import ray
     import ray.data
 
-    ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
+    where = address or os.environ.get("RAY_ADDRESS") or "auto"
+    try:
+        ray.init(address=where, log_to_driver=False)
+    except ConnectionError as exc:
+        raise InvalidParameter(f"--address {where!r}: no Ray cluster answers there ({exc})") from None
     try:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
