@@ -10,7 +10,7 @@ import contextlib
 import os
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +77,25 @@ def _batch_rows(schema: pa.Schema, column: str) -> int:
     return max(1, _BATCH_BYTES // (dims * t.value_type.bit_width // 8))
 
 
+def _batches(pf: pq.ParquetFile, batch_rows: int) -> Iterator[pa.RecordBatch]:
+    """The file's rows in batches, one row group at a time.
+
+    ``iter_batches`` over the whole file reads ahead across row groups (Arrow measured 967 MB of
+    buffers for a 920 MB file); asked for one row group at a time it holds one (277 MB for 200 MB
+    row groups), so memory is bounded by the largest row group, not by the file.
+    """
+    for group in range(pf.num_row_groups):
+        yield from pf.iter_batches(batch_size=batch_rows, row_groups=[group], use_threads=False)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def sanitize_parquet(
     in_path: str | os.PathLike[str],
     out_path: str | os.PathLike[str],
@@ -133,7 +152,7 @@ def sanitize_parquet(
     if batch_rows is not None:
         batch_rows = check_positive_int("batch_rows", batch_rows)
     workers = min(2, os.cpu_count() or 1) if workers is None else check_positive_int("workers", workers)
-    src_fs, src, _ = _fs(in_path)
+    src_fs, src, src_local = _fs(in_path)
     dst_fs, dst, dst_local = _fs(out_path)
     if not src_fs.isfile(src):
         raise FileNotFoundError(f"in_path {os.fspath(in_path)!r} does not exist or is not a file")
@@ -142,7 +161,8 @@ def sanitize_parquet(
     if type(src_fs) is type(dst_fs) and src == dst:
         raise InvalidParameter("out_path must differ from in_path (the raw file would be overwritten)")
 
-    with src_fs.open(src, "rb") as raw:
+    # a local file is read by Arrow's own I/O; an fsspec URL through the filesystem's file object
+    with contextlib.nullcontext(src) if src_local else src_fs.open(src, "rb") as raw:
         try:
             pf = pq.ParquetFile(raw)
         except (pa.ArrowInvalid, OSError) as exc:
@@ -178,13 +198,13 @@ def sanitize_parquet(
         plain = [name for name in schema.names if name != column]
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gaussdp-tables")
         try:
-            with dst_fs.open(tmp, "wb") as sink:
+            with contextlib.nullcontext(tmp) if dst_local else dst_fs.open(tmp, "wb") as sink:
                 writer = pq.ParquetWriter(sink, schema, use_dictionary=plain)
                 try:
                     # at most workers + 1 batches in flight, written in row order
                     pending: deque[Future[tuple[pa.Table, BlockStats]]] = deque()
                     start = 0
-                    batches = pf.iter_batches(batch_size=batch_rows)
+                    batches = _batches(pf, batch_rows)
                     while True:
                         while len(pending) <= workers:
                             batch = next(batches, None)
@@ -212,9 +232,8 @@ def sanitize_parquet(
                     writer.add_key_value_metadata(rel.metadata(rows=rows, engine="local"))
                 finally:
                     writer.close()
-                if dst_local:
-                    sink.flush()
-                    os.fsync(sink.fileno())
+            if dst_local:
+                _fsync(tmp)
             if dst_local:
                 os.replace(tmp, dst)
             else:
