@@ -57,7 +57,9 @@ def test_release_keeps_rows_and_columns_and_records_itself(tmp_path):
     big = norms > CLIP  # clipped rows: no residual along their direction
     along = np.einsum("ij,ij->i", r[big], x[big] / norms[big, None])
     assert abs(along.mean()) < 6 * sigma / np.sqrt(big.sum())
-    assert report.rows == 3000 and report.cols == 16 and report.blocks == 12  # 250-row batches
+    # batches of at most 250 rows within each 400-row row group: 7 x (250 + 150) + 200 = 15 batches
+    assert report.rows == 3000 and report.cols == 16 and report.blocks == 15
+    assert pq.read_metadata(tmp_path / "out.parquet").num_row_groups == 15
     assert report.n_clipped == int(big.sum()) and report.epsilon <= EPS
     record = read_release(str(tmp_path / "out.parquet"))
     assert record == report.record
