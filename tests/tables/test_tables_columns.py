@@ -38,7 +38,8 @@ def test_rows_stay_in_place_clipped_and_typed(rows, dims, kind, cut, scale, seed
     lo, hi = min(cut[0], rows - 1), max(min(rows, rows - cut[1]), min(cut[0], rows - 1) + 1)
     block = table.slice(lo, hi - lo)  # a slice: the list array has an offset
     sigma, clip = 1e-3, 1.0
-    out, stats = release_block(block, column="e", sigma=sigma, clip_norm=clip, source=noise_source(), where="t")
+    src = noise_source()
+    out, stats = release_block(block, column="e", sigma=sigma, clip_norm=clip, source=src, where="t")
     assert out.schema.field("e").type == t and out.column("k").equals(block.column("k"))
     y = np.asarray(out.column("e").combine_chunks().flatten().to_numpy()).reshape(hi - lo, dims)
     xs = x[lo:hi].astype(np.float64)
