@@ -172,8 +172,8 @@ def sanitize(
         with progress:
             task = progress.add_task("sanitize", total=rows)
             if table:
-                if seed is not None or workers is not None:
-                    raise PrivacyError("--seed and --workers are for .npy inputs")
+                if seed is not None:
+                    raise PrivacyError("--seed is for .npy inputs (table noise is always from OS entropy)")
                 report: Any = sanitize_table(
                     in_path=in_path,
                     out_path=out_path,
@@ -185,6 +185,7 @@ def sanitize(
                     clip_norm=clip_norm,
                     noise=noise.value,
                     batch_rows=chunk_rows,
+                    workers=workers,
                     charge=charge,
                     progress=lambda n: progress.advance(task, n),
                 )

@@ -78,6 +78,7 @@ def sanitize_table(
     clip_norm: float,
     noise: str,
     batch_rows: int | None,
+    workers: int | None,
     charge: Callable[[Any], object] | None,
     progress: Callable[[int], None] | None,
 ) -> Any:
@@ -104,9 +105,12 @@ def sanitize_table(
             clip_norm=clip_norm,
             noise=noise,  # type: ignore[arg-type]
             batch_rows=batch_rows,
+            workers=workers,
             charge=charge,
             progress=progress,
         )
+    if workers is not None:
+        raise InvalidParameter("--workers is for one process: on Ray, the cluster's CPUs are the workers")
     require_extra("ray", feature="gaussdp sanitize --engine ray")
     if "://" not in in_path:  # the workers' working directory is not ours: an absolute path
         in_path = os.path.abspath(in_path)
