@@ -179,6 +179,10 @@ def table_rows(args: argparse.Namespace, src: Path, npy_wall: float, tmp: Path) 
         f"pyarrow read + write (I/O floor) {floor:.1f} s: {wall / floor:.2f}x the floor [goal <= 2x]; "
         f".npy path {npy_wall:.1f} s: parquet / npy = {wall / npy_wall:.2f}x"
     )
+    # one worker thread: the single-process rate per worker that Ray's per-worker rate is compared with
+    wall1, _, _ = timed([*gaussdp_command(), "sanitize", str(pq_in), str(pq_out), *flags, "--workers", "1"])
+    pq_out.unlink()
+    print(f"parquet, one process, --workers 1: wall {wall1:.1f} s ({rows / wall1:,.0f} rows/s)")
     if args.no_ray:
         return
     import gaussdp
@@ -200,7 +204,8 @@ def table_rows(args: argparse.Namespace, src: Path, npy_wall: float, tmp: Path) 
         per_worker = rows / rwall / cpus
         print(
             f"ray, {cpus} worker CPU(s): wall {rwall:.1f} s ({rows / rwall:,.0f} rows/s, {per_worker:,.0f} "
-            f"per worker): per-worker / single process = {per_worker / (rows / wall):.2f} [goal >= 0.8]"
+            f"per worker): per-worker / single process = {per_worker / (rows / wall):.2f} (2 threads), "
+            f"{per_worker / (rows / wall1):.2f} (1 thread) [goal >= 0.8]"
         )
     print(
         f"on paper: with W workers on W free cores, wall ~ max(driver, rows / (W x per-worker rate)); "
