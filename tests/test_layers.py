@@ -33,6 +33,7 @@ _TOP = {
     "finetune": APPLICATIONS,
     "sgd": APPLICATIONS,
     "embeddings": APPLICATIONS,
+    "tables": APPLICATIONS,
     "paramdict": APPLICATIONS,
     "audit": APPLICATIONS,
     "cli": SURFACES,

@@ -63,7 +63,32 @@ class SanitizeReport:
     private: bool
 
 
+def _sniff_not_npy(path: Path) -> None:
+    """Refuse a file that is not a .npy at all (a CSV named .npy) with what it looks like."""
+    with open(path, "rb") as f:
+        head = f.read(256)
+    if head.startswith(b"\x93NUMPY"):
+        return
+    if head.startswith(b"PAR1"):
+        raise UnsafeInput(
+            f"in_path {str(path)!r} is a Parquet file, not a .npy: name the embedding column with --column "
+            "(gaussdp.tables.sanitize_parquet)"
+        )
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        text = ""
+    if text and (text.isprintable() or any(c in text for c in ",;\t\n")):
+        first = text.splitlines()[0][:60] if text.splitlines() else text[:60]
+        raise UnsafeInput(
+            f"in_path {str(path)!r} is text (it starts {first!r}), not a .npy array: a CSV? Convert it "
+            "first, e.g. numpy.save('x.npy', numpy.loadtxt('x.csv', delimiter=',', dtype='float32'))"
+        )
+    raise UnsafeInput(f"in_path {str(path)!r} is not a .npy file (no NumPy magic string)")
+
+
 def _open_npy_matrix(path: Path) -> np.memmap:
+    _sniff_not_npy(path)
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError:
