@@ -87,7 +87,7 @@ class TableRelease:
 
     @property
     def epsilon_replace(self) -> float:
-        return release_epsilon(self.mechanism, self.delta, "replace")
+        return release_epsilon(self.mechanism, self.delta, "replace_one")
 
     def charge_with(self, charge: Callable[[Any], object] | None) -> None:
         """Call ``charge(event)`` (e.g. ``lambda ev: ledger.charge("dataset-42", ev)``); keep its receipt.
