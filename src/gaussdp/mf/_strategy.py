@@ -121,7 +121,7 @@ def banded_toeplitz_coefficients(*, steps: int, bands: int) -> np.ndarray:
     :func:`gaussdp.mf.strategy_sensitivity`, never assumed from it.
 
     >>> c = banded_toeplitz_coefficients(steps=100, bands=4)
-    >>> c[0], bool(prefix_sum_loss(c, 100) <= prefix_sum_loss(sqrt_coefficients(4), 100))
+    >>> float(c[0]), bool(prefix_sum_loss(c, 100) <= prefix_sum_loss(sqrt_coefficients(4), 100))
     (1.0, True)
 
     Accepted domain: ``steps`` and ``bands`` ints, ``1 <= bands <= steps``, ``steps * bands`` at most
