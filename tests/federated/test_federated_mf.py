@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -151,3 +152,86 @@ def test_dpftrl_strategy_on_flowers_simulation_runtime():
     assert srv.epsilon() == pytest.approx(_mf_epsilon(srv, rounds), rel=1e-12)
     rows = [round_of(c.idempotency_key) for c in srv.ledger.ledger.history(srv.ledger.principal)]
     assert sorted(rows) == list(range(1, rounds + 1))
+
+
+def test_the_strategy_says_what_it_waits_for(caplog):
+    """A Grid with fewer nodes than the population: the ServerApp reports the wait (not silent)."""
+    pytest.importorskip("flwr")
+    from flwr.app import Array, ArrayRecord, ConfigRecord
+
+    from gaussdp.federated.flower import DPFTRLStrategy
+
+    strategy = DPFTRLStrategy(_server(), wait_timeout=1.5)
+    strategy.report_every = 0.5
+    init = ArrayRecord({"w": Array(np.zeros(P, dtype=np.float32))})
+    with caplog.at_level(logging.WARNING, logger="gaussdp"), pytest.raises(InvalidParameter, match="20"):
+        strategy.configure_train(1, init, ConfigRecord(), _nodes(range(7)))
+    waits = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+    assert len(waits) >= 2
+    assert "waiting for 20 SuperNodes to connect to the SuperLink: 7 connected" in waits[0]
+
+
+def _nodes(ids):
+    """A Grid stub that only lists its nodes (for the checks that need no message exchange)."""
+    from flwr.serverapp import Grid
+
+    class _Nodes(Grid):
+        def __init__(self, nodes):
+            self.nodes = list(nodes)
+
+        def get_node_ids(self):
+            return self.nodes
+
+        def set_run(self, run):  # pragma: no cover - not used
+            raise NotImplementedError
+
+        @property
+        def run(self):  # pragma: no cover - not used
+            raise NotImplementedError
+
+        def create_message(self, *a, **k):  # pragma: no cover - not used
+            raise NotImplementedError
+
+        def push_messages(self, *a, **k):  # pragma: no cover - not used
+            raise NotImplementedError
+
+        def pull_messages(self, *a, **k):  # pragma: no cover - not used
+            raise NotImplementedError
+
+        def send_and_receive(self, *a, **k):  # pragma: no cover - not used
+            raise NotImplementedError
+
+    return _Nodes(ids)
+
+
+def test_a_superlink_error_reply_is_a_dropout(monkeypatch):
+    """After a SuperLink restart, the SuperLink answers for a node it holds unavailable, with its own
+    node id (1): that is a dropout, not a reply from a node outside the round."""
+    pytest.importorskip("flwr")
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Metadata
+    from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from gaussdp.federated.flower import DPFTRLStrategy
+
+    for name, value in (("_run_id", 7), ("_node_id", 1), ("_task_id", 3)):  # what a ServerApp process has
+        monkeypatch.setattr(TaskIdentity, name, value, raising=False)
+    strategy = DPFTRLStrategy(_server(), wait_timeout=0)
+    init = ArrayRecord({"w": Array(np.zeros(P, dtype=np.float32))})
+    messages = list(strategy.configure_train(1, init, ConfigRecord(), _nodes(range(100, 100 + N))))
+    assert len(messages) == M
+    ins = Metadata(
+        run_id=7,
+        message_id="m1",
+        src_node_id=1,
+        dst_node_id=int(messages[0].metadata.dst_node_id),
+        reply_to_message_id="",
+        group_id="1",
+        created_at=time.time(),
+        ttl=600.0,
+        message_type="train",
+    )
+    reply = create_message_error_unavailable_res_message(ins, "node_unavail")
+    assert int(reply.metadata.src_node_id) == 1 and reply.has_error()
+    _, metrics = strategy.aggregate_train(1, [reply])
+    assert metrics["answered"] == 0 and strategy.server.rounds_done == 1

@@ -211,3 +211,25 @@ def test_make_private_with_epsilon_meets_the_target():
     assert 1.999 < engine.get_epsilon(1e-5) <= 2.0 * (1 + 1e-12)
     with pytest.raises(InvalidParameter, match="banded-mf"):
         engine.save_checkpoint(path="/dev/null", module=model)
+
+
+def test_convolutions_train_with_mf_noise():
+    """Per-sample sums of a convolution can be non-contiguous: the noise is drawn contiguous."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+    data = TensorDataset(torch.randn(32, 1, 6, 6), torch.randint(0, 3, (32,)))
+    engine = PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=8),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        noise_mechanism="banded-mf",
+        bands=2,
+        epochs=2,
+    )
+    for _ in range(2):
+        _train_epoch(model, opt, loader)
+    assert engine.steps == 8 and all(torch.isfinite(p).all() for p in model.parameters())

@@ -62,6 +62,7 @@ try:
         MetricRecord,
         RecordDict,
     )
+    from flwr.common.constant import SUPERLINK_NODE_ID
     from flwr.serverapp import Grid
     from flwr.serverapp.strategy import Result, Strategy
     from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, KEY_NORM_BIT
@@ -328,6 +329,13 @@ class DPFedAvgStrategy(Strategy):
         rows: list[tuple[int, np.ndarray, float | None]] = []
         for reply in replies:
             node = int(reply.metadata.src_node_id)
+            if node == SUPERLINK_NODE_ID and reply.has_error():
+                # The SuperLink answers for a node it holds unavailable (e.g. after a SuperLink
+                # restart, until the node's next heartbeat): that node is a dropout, whichever it is.
+                log.warning(
+                    "round %d: the SuperLink answered for a node: %s", server_round, reply.error.reason
+                )
+                continue
             if node not in self._ids:
                 raise UnsafeInput(
                     f"round {server_round}: a reply from node {node}, which was not sampled: refused"

@@ -321,7 +321,8 @@ class DPOptimizer(Optimizer):
                 s = torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=p.device)
             if self.correlated is not None:
                 # banded MF: this step's fresh N(0, std^2) through the strategy's recurrence
-                fresh = add_standard_normal_(self.generator, torch.zeros_like(s), std) if std > 0 else None
+                fresh = torch.zeros(s.shape, dtype=s.dtype, device=s.device)  # contiguous, whatever s is
+                fresh = add_standard_normal_(self.generator, fresh, std) if std > 0 else None
                 if fresh is not None:
                     s.add_(self.correlated.next(p, fresh))
                 out.append(s)
