@@ -99,27 +99,45 @@ def text_model() -> Any:
 
 TASKS = {
     # data, model, batch size, learning rate, bands
-    "digits": (digits_data, digits_model, 64, 1.0, 8),
-    "text": (text_data, text_model, 64, 2.0, 8),
+    "digits": (digits_data, digits_model, 64, 1.0, 16),
+    "text": (text_data, text_model, 64, 2.0, 16),
 }
 
 
 def accuracy(model: Any, data: Any) -> float:
     import torch
 
-    x, y = data.tensors
+    if isinstance(data, torch.utils.data.Subset):
+        x, y = (t[data.indices] for t in data.dataset.tensors)
+    else:
+        x, y = data.tensors
     with torch.no_grad():
         return float((model(x).argmax(1) == y).float().mean())
 
 
-def train_once(task: str, method: str, eps: float, seed: int, epochs: int) -> dict[str, float]:
+def train_once(
+    task: str,
+    method: str,
+    eps: float,
+    seed: int,
+    epochs: int,
+    *,
+    lr: float | None = None,
+    validate: bool = False,
+) -> dict[str, float]:
     import torch
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, Subset
 
     from gaussdp.torch import PrivacyEngine
 
-    make_data, make_model, batch, lr, bands = TASKS[task]
+    make_data, make_model, batch, default_lr, bands = TASKS[task]
+    lr = default_lr if lr is None else lr
     train, test = make_data()
+    if validate:  # learning-rate selection: 80% of the training set, scored on the other 20%
+        perm = np.random.default_rng(1).permutation(len(train))
+        cut = int(0.8 * len(train))
+        test = Subset(train, perm[cut:].tolist())
+        train = Subset(train, perm[:cut].tolist())
     torch.manual_seed(seed)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -166,19 +184,30 @@ def ci95(values: list[float]) -> tuple[float, float]:
     return float(a.mean()), float(half)
 
 
-def centralised(tasks: list[str], seeds: int, epochs: int, out: list[str]) -> None:
+LRS = (0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+def tuned_lr(task: str, method: str, eps: float, epochs: int) -> float:
+    """The learning rate of LRS with the best validation accuracy (one run each, seed 1000)."""
+    scores = {lr: train_once(task, method, eps, 1000, epochs, lr=lr, validate=True)["acc"] for lr in LRS}
+    return max(scores, key=lambda lr: scores[lr])
+
+
+def centralised(tasks: list[str], seeds: int, epochs: int, out: list[str], tune: bool) -> None:
     for task in tasks:
-        _, _, batch, lr, bands = TASKS[task]
-        out.append(f"\n## {task}: batch {batch}, SGD lr {lr}, clip 1.0, {epochs} epochs, MF bands {bands}")
+        _, _, batch, default_lr, bands = TASKS[task]
+        lr_note = f"SGD lr tuned per method and epsilon over {list(LRS)}" if tune else f"SGD lr {default_lr}"
+        out.append(f"\n## {task}: batch {batch}, {lr_note}, clip 1.0, {epochs} epochs, MF bands {bands}")
         out.append(
             "eps | DP-SGD acc (95% CI) | MF acc (95% CI) | MF - DP-SGD | paired t p | "
-            "sigma SGD / MF | s/run SGD / MF (ratio) | MF buffer (values)"
+            "sigma SGD / MF | lr SGD / MF | s/run SGD / MF (ratio) | MF buffer (values)"
         )
         for eps in (2.0, 8.0):
+            lrs = {m: tuned_lr(task, m, eps, epochs) if tune else default_lr for m in ("dpsgd", "mf")}
             res: dict[str, list[dict[str, float]]] = {"dpsgd": [], "mf": []}
             for seed in range(seeds):
                 for method in ("dpsgd", "mf"):  # interleaved: a busy machine slows both alike
-                    res[method].append(train_once(task, method, eps, seed, epochs))
+                    res[method].append(train_once(task, method, eps, seed, epochs, lr=lrs[method]))
             a = [r["acc"] for r in res["dpsgd"]]
             b = [r["acc"] for r in res["mf"]]
             (ma, ha), (mb, hb) = ci95(a), ci95(b)
@@ -188,6 +217,7 @@ def centralised(tasks: list[str], seeds: int, epochs: int, out: list[str]) -> No
             line = (
                 f"{eps:g} | {ma:.4f} +- {ha:.4f} | {mb:.4f} +- {hb:.4f} | {mb - ma:+.4f} | {p:.3g} | "
                 f"{res['dpsgd'][0]['sigma']:.3f} / {res['mf'][0]['sigma']:.3f} | "
+                f"{lrs['dpsgd']:g} / {lrs['mf']:g} | "
                 f"{ta:.1f} / {tb:.1f} ({tb / ta:.2f}x) | {res['mf'][0]['buffer']:.0f} "
                 f"({bands} x {res['mf'][0]['params']:.0f} params)"
             )
@@ -199,6 +229,38 @@ def federated(clients: int, per_round: int, rounds: int, eps: float, seeds: int,
     sys.path.insert(0, str(ROOT / "examples" / "flower-digits"))
     from gaussdp_digits import task as fl
 
+    sim = fl.clients(clients, local_steps=5, learning_rate=0.5)
+    out.append(
+        f"\n## federated (in process): {clients} clients, {per_round} per round, {rounds} rounds, "
+        f"client-level eps {eps:g}, delta 1e-5, clip 1.0, server lr 1.0"
+    )
+    accs: dict[str, list[float]] = {"fedavg": [], "mf": []}
+    spent: dict[str, float] = {}
+    for seed in range(seeds):
+        servers = _servers(clients, per_round, rounds, eps, seed)
+        for method, srv in servers.items():
+            w = fl.initial_flat()
+            for _ in range(rounds):
+                w = w + srv.run_round(w, lambda g, ids: sim(g, ids)).update
+            accs[method].append(fl.test_accuracy(w))
+            spent[method] = srv.epsilon()
+    fedavg, mf = servers["fedavg"], servers["mf"]
+    out.append(
+        f"DP-FedAvg: Poisson q={fedavg.sample_rate:g}, z={fedavg.noise_multiplier:.3f}; "
+        f"DP-FTRL/MF: bands {mf.plan.bands}, z={mf.noise_multiplier:.3f}"
+    )
+    (ma, ha), (mb, hb) = ci95(accs["fedavg"]), ci95(accs["mf"])
+    p = float(stats.ttest_rel(accs["mf"], accs["fedavg"]).pvalue) if seeds > 1 else math.nan
+    line = (
+        f"DP-FedAvg {ma:.4f} +- {ha:.4f} (eps {spent['fedavg']:.3f}) | DP-FTRL/MF {mb:.4f} +- {hb:.4f} "
+        f"(eps {spent['mf']:.3f}) | MF - FedAvg {mb - ma:+.4f}, paired t p = {p:.3g}"
+    )
+    out.append(line)
+    print(line, flush=True)
+
+
+def _servers(clients: int, per_round: int, rounds: int, eps: float, seed: int) -> dict[str, Any]:
+    """DP-FedAvg (Poisson, q = m / N) and DP-FTRL/MF (fixed blocks of m) at the same client-level eps."""
     from gaussdp.accounting import noise_for_epsilon
     from gaussdp.federated import DPFedAvg
     from gaussdp.federated.mf import BandedMFServer
@@ -213,39 +275,85 @@ def federated(clients: int, per_round: int, rounds: int, eps: float, seeds: int,
     )
     z_mf = plan.sensitivity() * noise_for_epsilon(target_epsilon=eps, delta=1e-5, sample_rate=1.0, steps=1)
     z_mf *= 1 + 1e-9
-    sim = fl.clients(clients, local_steps=5, learning_rate=0.5)
-    out.append(
-        f"\n## federated (in process): {clients} clients, {per_round} per round, {rounds} rounds, "
-        f"client-level eps {eps:g}, delta 1e-5, clip 1.0, server lr 1.0"
-    )
-    out.append(f"DP-FedAvg: Poisson q={q:g}, z={z_avg:.3f}; DP-FTRL/MF: bands {bands}, z={z_mf:.3f}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {
+            "fedavg": DPFedAvg(
+                num_clients=clients, sample_rate=q, noise_multiplier=z_avg, clip_norm=1.0,
+                ledger="memory://", epsilon=eps * 1.001, delta=1e-5, noise="fast", seed=seed,
+            ),
+            "mf": BandedMFServer(
+                num_clients=clients, clients_per_round=per_round, num_rounds=rounds, bands=bands,
+                noise_multiplier=z_mf, clip_norm=1.0, ledger="memory://", epsilon=eps * 1.001,
+                delta=1e-5, noise="fast", seed=seed,
+            ),
+        }  # fmt: skip
+
+
+def federated_flower(
+    clients: int, per_round: int, rounds: int, eps: float, seeds: int, out: list[str]
+) -> None:
+    """The same comparison on Flower's simulation runtime (Ray): one virtual SuperNode per client,
+    gaussdp's strategies in the ServerApp, every (seed, method) on the same Grid."""
+    sys.path.insert(0, str(ROOT / "examples" / "flower-digits"))
+    import logging
+
+    from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+    from gaussdp_digits import task as fl
+
+    from gaussdp.federated.flower import DPFedAvgStrategy, DPFTRLStrategy
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    client = ClientApp()
+
+    @client.train()
+    def train(msg: Message, context: Context) -> Message:
+        flat = fl.to_flat(msg.content["arrays"])
+        pid, n = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+        delta, _ = fl.local_update(flat, pid, n, local_steps=5, learning_rate=0.5)
+        content = RecordDict({"arrays": fl.to_arrays(flat + delta), "metrics": MetricRecord({"n": 1})})
+        return Message(content, reply_to=msg)
+
     accs: dict[str, list[float]] = {"fedavg": [], "mf": []}
     spent: dict[str, float] = {}
-    for seed in range(seeds):
-        for method in ("fedavg", "mf"):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                if method == "fedavg":
-                    srv: Any = DPFedAvg(
-                        num_clients=clients, sample_rate=q, noise_multiplier=z_avg, clip_norm=1.0,
-                        ledger="memory://", epsilon=eps * 1.001, delta=1e-5, noise="fast", seed=seed,
-                    )  # fmt: skip
-                else:
-                    srv = BandedMFServer(
-                        num_clients=clients, clients_per_round=per_round, num_rounds=rounds, bands=bands,
-                        noise_multiplier=z_mf, clip_norm=1.0, ledger="memory://", epsilon=eps * 1.001,
-                        delta=1e-5, noise="fast", seed=seed,
-                    )  # fmt: skip
-            w = fl.initial_flat()
-            for _ in range(rounds):
-                w = w + srv.run_round(w, lambda g, ids: sim(g, ids)).update
-            accs[method].append(fl.test_accuracy(w))
-            spent[method] = srv.epsilon()
+    seconds: dict[str, float] = {"fedavg": 0.0, "mf": 0.0}
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        while len(list(grid.get_node_ids())) < clients:
+            time.sleep(0.2)
+        for seed in range(seeds):
+            for method, srv in _servers(clients, per_round, rounds, eps, seed).items():
+                strategy = (DPFTRLStrategy if method == "mf" else DPFedAvgStrategy)(srv)
+                t0 = time.perf_counter()
+                res = strategy.start(grid, fl.to_arrays(fl.initial_flat()), num_rounds=rounds, timeout=600)
+                seconds[method] += time.perf_counter() - t0
+                arrays: ArrayRecord = res.arrays
+                accs[method].append(fl.test_accuracy(fl.to_flat(arrays)))
+                spent[method] = srv.epsilon()
+
+    run_simulation(
+        server,
+        client,
+        num_supernodes=clients,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+    )
     (ma, ha), (mb, hb) = ci95(accs["fedavg"]), ci95(accs["mf"])
     p = float(stats.ttest_rel(accs["mf"], accs["fedavg"]).pvalue) if seeds > 1 else math.nan
+    out.append(
+        f"\n## federated on Flower's simulation runtime: {clients} virtual SuperNodes, "
+        f"{per_round} per round, "
+        f"{rounds} rounds, client-level eps {eps:g}, delta 1e-5, {seeds} seeds"
+    )
     line = (
-        f"DP-FedAvg {ma:.4f} +- {ha:.4f} (eps {spent['fedavg']:.3f}) | DP-FTRL/MF {mb:.4f} +- {hb:.4f} "
-        f"(eps {spent['mf']:.3f}) | MF - FedAvg {mb - ma:+.4f}, paired t p = {p:.3g}"
+        f"DP-FedAvg {ma:.4f} +- {ha:.4f} (eps {spent['fedavg']:.3f}, "
+        f"{seconds['fedavg'] / seeds:.0f} s/run) | "
+        f"DP-FTRL/MF {mb:.4f} +- {hb:.4f} (eps {spent['mf']:.3f}, {seconds['mf'] / seeds:.0f} s/run) | "
+        f"MF - FedAvg {mb - ma:+.4f}, paired t p = {p:.3g}"
     )
     out.append(line)
     print(line, flush=True)
@@ -255,24 +363,30 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--epochs", type=int, default=15)
-    p.add_argument("--only", default="digits,text,federated")
+    p.add_argument("--only", default="digits,text,federated,flower")
     p.add_argument("--clients", type=int, default=200)
     p.add_argument("--per-round", type=int, default=20)
     p.add_argument("--rounds", type=int, default=50)
     p.add_argument("--fed-eps", type=float, default=8.0)
+    p.add_argument("--no-tune", action="store_true", help="use each task's default learning rate")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_mf.txt"))
     a = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
     only = a.only.split(",")
-    out = [f"# benchmarks/bench_mf.py --seeds {a.seeds} --epochs {a.epochs} --only {a.only}"]
+    out = [
+        f"# benchmarks/bench_mf.py --seeds {a.seeds} --epochs {a.epochs} --only {a.only}"
+        + (" --no-tune" if a.no_tune else "")
+    ]
     out.append(f"# torch {torch.__version__}, 1 thread; 95% CIs are t-intervals over seeds")
     tasks = [t for t in ("digits", "text") if t in only]
     if tasks:
-        centralised(tasks, a.seeds, a.epochs, out)
+        centralised(tasks, a.seeds, a.epochs, out, tune=not a.no_tune)
     if "federated" in only:
         federated(a.clients, a.per_round, a.rounds, a.fed_eps, a.seeds, out)
+    if "flower" in only:
+        federated_flower(a.clients, a.per_round, a.rounds, a.fed_eps, a.seeds, out)
     Path(a.out).write_text("\n".join(out) + "\n")
     print("\n".join(out))
 
