@@ -178,3 +178,16 @@ def test_noise_works_on_torch_tensors() -> None:
     for _ in range(6):
         z = rng.standard_normal(5)
         np.testing.assert_allclose(a.next(0, z.copy()), t.next(0, torch.from_numpy(z.copy())).numpy())
+
+
+def test_scratch_reuses_the_array_that_left_the_buffer():
+    noise = BandedNoise(banded_toeplitz_coefficients(steps=20, bands=3))
+    rng = np.random.default_rng(0)
+    seen = []
+    for _ in range(6):
+        fresh = noise.scratch("p")
+        if fresh is None:
+            fresh = np.empty(4)
+        fresh[:] = rng.standard_normal(4)
+        seen.append(id(noise.next("p", fresh)))
+    assert len(set(seen)) == 3  # b arrays in all: b - 1 in the buffer and one being made

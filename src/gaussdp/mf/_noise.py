@@ -7,7 +7,9 @@ lower-triangular Toeplitz ``C`` (coefficients ``c_0 .. c_{b-1}``), ``C y = z`` r
     y_t = (z_t - sum_{j=1}^{b-1} c_j y_{t-j}) / c_0,
 
 so each step needs only the ``b - 1`` previous noise vectors: the buffer holds ``b - 1`` arrays of
-the parameters' shape, plus the one being made (``b x parameters`` in all).
+the parameters' shape, plus the one being made (``b x parameters`` in all). The array that leaves
+the buffer is handed back by :meth:`BandedNoise.scratch` for the next step's draw, so a long run
+allocates nothing per step.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ class BandedNoise:
 
     Each call of :meth:`next` for a key (a parameter) takes that step's fresh Gaussian ``z_t``
     (drawn by the caller from its noise source, at the standard deviation the accounting assumes)
-    and returns ``y_t``; the covariance of ``(y_0, .., y_{n-1})`` per coordinate is
-    ``std^2 C^{-1} C^{-T}``. Works on numpy arrays and torch tensors alike (in place on ``z_t``).
+    and returns ``y_t``, computed in place in ``z_t``'s array, which the buffer then keeps: the
+    caller must not modify it (add it to something else). The covariance of ``(y_0, .., y_{n-1})``
+    per coordinate is ``std^2 C^{-1} C^{-T}``. Works on numpy arrays and torch tensors alike.
 
     Args:
         coefficients: ``c_0 .. c_{b-1}`` of the strategy, finite, ``c_0 > 0``.
@@ -47,7 +50,13 @@ class BandedNoise:
         self.coefficients = c
         self.bands = int(c.size)
         self._buffers: dict[Hashable, deque[Any]] = {}
+        self._spare: dict[Hashable, Any] = {}
         self.steps: dict[Hashable, int] = {}
+
+    def scratch(self, key: Hashable) -> Any:
+        """The array that left ``key``'s buffer at the last step (to draw the next ``z_t`` into), or
+        None before the buffer is full. Its values are stale: overwrite them."""
+        return self._spare.pop(key, None)
 
     def next(self, key: Hashable, fresh: Any) -> Any:
         """``y_t`` for ``key`` from this step's fresh noise ``z_t`` (overwritten and returned)."""
@@ -64,7 +73,9 @@ class BandedNoise:
         if self.coefficients[0] != 1.0:
             y /= float(self.coefficients[0])
         if self.bands > 1:
-            buf.append(y.clone() if hasattr(y, "clone") else y.copy())
+            if len(buf) == buf.maxlen:
+                self._spare[key] = buf[0]  # y_{t-b+1}: no longer needed once y_t is made
+            buf.append(y)
         self.steps[key] = self.steps.get(key, 0) + 1
         return y
 

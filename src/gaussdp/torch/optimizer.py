@@ -321,10 +321,13 @@ class DPOptimizer(Optimizer):
                 s = torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=p.device)
             if self.correlated is not None:
                 # banded MF: this step's fresh N(0, std^2) through the strategy's recurrence
-                fresh = torch.zeros(s.shape, dtype=s.dtype, device=s.device)  # contiguous, whatever s is
-                fresh = add_standard_normal_(self.generator, fresh, std) if std > 0 else None
-                if fresh is not None:
-                    s.add_(self.correlated.next(p, fresh))
+                if std > 0:
+                    # contiguous, whatever s is; the array that left the strategy's buffer if any
+                    fresh = self.correlated.scratch(p)
+                    if fresh is None or fresh.shape != s.shape or fresh.dtype != s.dtype:
+                        fresh = torch.empty(s.shape, dtype=s.dtype, device=s.device)
+                    add_standard_normal_(self.generator, fresh.zero_(), std)
+                    s.add_(self.correlated.next(p, fresh))  # the buffer keeps y_t: s gets a copy
                 out.append(s)
                 continue
             extra = math.sqrt(max(0.0, std * std - self.clipper.noised.get(p, 0.0) ** 2))
