@@ -369,18 +369,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=50)
     p.add_argument("--fed-eps", type=float, default=8.0)
     p.add_argument("--no-tune", action="store_true", help="use each task's default learning rate")
+    p.add_argument("--batch", type=int, default=None, help="batch size of both tasks (default: 64)")
+    p.add_argument("--bands", type=int, default=None, help="MF bands of both tasks (default: 16)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_mf.txt"))
     a = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
     only = a.only.split(",")
-    out = [
-        f"# benchmarks/bench_mf.py --seeds {a.seeds} --epochs {a.epochs} --only {a.only}"
-        + (" --no-tune" if a.no_tune else "")
-    ]
+    out = [f"# benchmarks/bench_mf.py {' '.join(sys.argv[1:] if argv is None else argv)}"]
     out.append(f"# torch {torch.__version__}, 1 thread; 95% CIs are t-intervals over seeds")
     tasks = [t for t in ("digits", "text") if t in only]
+    for t in tasks:
+        data, model, batch, lr, bands = TASKS[t]
+        TASKS[t] = (data, model, a.batch or batch, lr, a.bands or bands)
     if tasks:
         centralised(tasks, a.seeds, a.epochs, out, tune=not a.no_tune)
     if "federated" in only:
