@@ -191,3 +191,8 @@ def test_scratch_reuses_the_array_that_left_the_buffer():
         fresh[:] = rng.standard_normal(4)
         seen.append(id(noise.next("p", fresh)))
     assert len(set(seen)) == 3  # b arrays in all: b - 1 in the buffer and one being made
+
+
+def test_plan_steps_are_bounded():
+    with pytest.raises(InvalidParameter, match="steps must be <= 8192"):
+        BandedMFPlan.cyclic(steps_per_epoch=1000, epochs=9, bands=4)

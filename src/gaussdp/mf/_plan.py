@@ -11,7 +11,9 @@ from gaussdp.accounting import GaussianEvent, banded_matrix_factorization_event
 from gaussdp.errors import InvalidParameter
 from gaussdp.mf._strategy import banded_toeplitz_coefficients, toeplitz_matrix
 
-__all__ = ["BandedMFPlan", "strategy_sensitivity"]
+__all__ = ["MAX_STEPS", "BandedMFPlan", "strategy_sensitivity"]
+
+MAX_STEPS = 8192  # steps of one plan: the accounting's dense strategy matrix is at most 512 MiB
 
 
 def strategy_sensitivity(
@@ -54,8 +56,12 @@ class BandedMFPlan:
     adaptively chosen gradients do not change this (Denisov, McMahan, Rush, Smith & Thakurta 2022,
     Theorem 2.1).
 
+    Bounded work: the accounting takes the dense ``steps x steps`` strategy, so ``steps`` is at most
+    :data:`MAX_STEPS` (8,192: a 512 MiB matrix at most, built once per epoch by the engine).
+
     Raises:
-        InvalidParameter: a count < 1, ``bands`` above ``min_separation`` or ``steps``.
+        InvalidParameter: a count < 1, ``bands`` above ``min_separation`` or ``steps``, ``steps``
+            above :data:`MAX_STEPS`.
     """
 
     steps: int
@@ -74,6 +80,11 @@ class BandedMFPlan:
             raise InvalidParameter(
                 f"bands must be <= min_separation (the steps between two participations of a record, "
                 f"the steps per epoch), got bands={self.bands}, min_separation={self.min_separation}"
+            )
+        if self.steps > MAX_STEPS:
+            raise InvalidParameter(
+                f"steps must be <= {MAX_STEPS} for banded MF (the accounting builds the dense strategy), "
+                f"got steps={self.steps}: use fewer epochs or larger batches"
             )
         if self.bands > self.steps:
             raise InvalidParameter(f"bands must be <= steps, got bands={self.bands}, steps={self.steps}")
