@@ -6,15 +6,14 @@ lower-triangular Toeplitz ``C`` (coefficients ``c_0 .. c_{b-1}``), ``C y = z`` r
 
     y_t = (z_t - sum_{j=1}^{b-1} c_j y_{t-j}) / c_0,
 
-so each step needs only the ``b - 1`` previous noise vectors: the buffer holds ``b - 1`` arrays of
-the parameters' shape, plus the one being made (``b x parameters`` in all). The array that leaves
-the buffer is handed back by :meth:`BandedNoise.scratch` for the next step's draw, so a long run
-allocates nothing per step.
+so each step needs only the ``b - 1`` previous noise vectors: the buffer is a ring of ``b - 1`` rows
+of the parameters' size, plus one work array the step's noise is drawn into and made in
+(``b x parameters`` in all). The sum over the ring is one matrix-vector product (BLAS ``gemv``),
+which reads the ring once per step; nothing is allocated per step.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Hashable
 from typing import Any
 
@@ -28,11 +27,12 @@ __all__ = ["BandedNoise"]
 class BandedNoise:
     """The correlated noise ``y = C^{-1} z`` of a banded Toeplitz strategy, step by step.
 
-    Each call of :meth:`next` for a key (a parameter) takes that step's fresh Gaussian ``z_t``
-    (drawn by the caller from its noise source, at the standard deviation the accounting assumes)
-    and returns ``y_t``, computed in place in ``z_t``'s array, which the buffer then keeps: the
-    caller must not modify it (add it to something else). The covariance of ``(y_0, .., y_{n-1})``
-    per coordinate is ``std^2 C^{-1} C^{-T}``. Works on numpy arrays and torch tensors alike.
+    For each key (a parameter), draw the step's fresh Gaussian ``z_t`` (at the standard deviation
+    the accounting assumes, from the caller's noise source) into :meth:`scratch` (or any array of
+    the key's shape) and call :meth:`next`, which turns it into ``y_t`` in place and returns it.
+    The ring keeps a copy, so the caller may use the returned array freely until the key's next
+    step (the work array is handed out again then). The covariance of ``(y_0, .., y_{n-1})`` per
+    coordinate is ``std^2 C^{-1} C^{-T}``. Works on numpy arrays and torch tensors alike.
 
     Args:
         coefficients: ``c_0 .. c_{b-1}`` of the strategy, finite, ``c_0 > 0``.
@@ -49,36 +49,49 @@ class BandedNoise:
             )
         self.coefficients = c
         self.bands = int(c.size)
-        self._buffers: dict[Hashable, deque[Any]] = {}
-        self._spare: dict[Hashable, Any] = {}
+        self._rings: dict[Hashable, Any] = {}  # key -> (b - 1, size) array of y_{t-1}, .., y_{t-b+1}
+        self._work: dict[Hashable, Any] = {}
         self.steps: dict[Hashable, int] = {}
 
     def scratch(self, key: Hashable) -> Any:
-        """The array that left ``key``'s buffer at the last step (to draw the next ``z_t`` into), or
-        None before the buffer is full. Its values are stale: overwrite them."""
-        return self._spare.pop(key, None)
+        """The key's work array (None before its first step): draw ``z_t`` into it (stale values)."""
+        return self._work.get(key)
 
     def next(self, key: Hashable, fresh: Any) -> Any:
         """``y_t`` for ``key`` from this step's fresh noise ``z_t`` (overwritten and returned)."""
-        buf = self._buffers.setdefault(key, deque(maxlen=self.bands - 1))
-        y = fresh
-        for j, prev in enumerate(reversed(buf), start=1):  # newest first: y_{t-1}, y_{t-2}, ...
-            cj = float(self.coefficients[j])
-            if cj == 0.0:
-                continue
-            if hasattr(y, "add_"):
-                y.add_(prev, alpha=-cj)
+        t = self.steps.get(key, 0)
+        torch_like = hasattr(fresh, "addmv_")
+        # in place through a flat view: a non-contiguous array is made contiguous (a copy) first
+        fresh = fresh.contiguous() if torch_like else np.ascontiguousarray(fresh)
+        flat = fresh.reshape(-1)
+        w = self.bands - 1
+        if w and t:
+            ring = self._rings[key]
+            # row r holds y_{t-j} with j = (t - 1 - r) mod w + 1 (the newest row is (t - 1) mod w)
+            lags = (t - 1 - np.arange(w)) % w + 1
+            weights = np.where(lags <= t, self.coefficients[lags], 0.0)
+            if torch_like:
+                import torch
+
+                wt = torch.as_tensor(weights, dtype=flat.dtype, device=flat.device)
+                flat.addmv_(ring.t(), wt, alpha=-1.0)
             else:
-                y -= cj * prev
+                flat -= weights.astype(flat.dtype, copy=False) @ ring
         if self.coefficients[0] != 1.0:
-            y /= float(self.coefficients[0])
-        if self.bands > 1:
-            if len(buf) == buf.maxlen:
-                self._spare[key] = buf[0]  # y_{t-b+1}: no longer needed once y_t is made
-            buf.append(y)
-        self.steps[key] = self.steps.get(key, 0) + 1
-        return y
+            flat /= float(self.coefficients[0])
+        if w:
+            if key not in self._rings:
+                if torch_like:
+                    import torch
+
+                    self._rings[key] = torch.zeros((w, flat.numel()), dtype=flat.dtype, device=flat.device)
+                else:
+                    self._rings[key] = np.zeros((w, flat.size), dtype=flat.dtype)
+            self._rings[key][t % w] = flat
+        self._work[key] = fresh
+        self.steps[key] = t + 1
+        return fresh
 
     def buffered_values(self) -> int:
-        """How many numbers the buffer holds now (at most ``(b - 1) x parameters``)."""
-        return sum(int(np.prod(tuple(a.shape))) for buf in self._buffers.values() for a in buf)
+        """How many numbers the ring holds (``(b - 1) x parameters``; the work arrays add one more)."""
+        return sum(int(np.prod(tuple(r.shape))) for r in self._rings.values())
