@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from gaussdp import mechanism as _mechanism
+from gaussdp._neighbouring import Neighbouring
 from gaussdp._rows import SEED_BLOCK_ROWS, check_seed, noise_rows, release_epsilon
 from gaussdp._validate import check_choice, check_delta, check_epsilon, check_positive
 from gaussdp.clipping import clip_rows
@@ -310,8 +311,8 @@ def sanitize_npy(
     finally:
         pool.shutdown(wait=True)
 
-    eps_true = release_epsilon(mech, delta, "add_remove")
-    eps_replace = release_epsilon(mech, delta, "replace")
+    eps_true = release_epsilon(mech, delta, Neighbouring.ADD_REMOVE)
+    eps_replace = release_epsilon(mech, delta, Neighbouring.REPLACE_ONE)
     return SanitizeReport(
         rows=rows,
         cols=cols,

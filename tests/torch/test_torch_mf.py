@@ -233,3 +233,19 @@ def test_convolutions_train_with_mf_noise():
     for _ in range(2):
         _train_epoch(model, opt, loader)
     assert engine.steps == 8 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_noise_outside_the_certified_domain_is_refused_at_make_private():
+    model = nn.Linear(6, 3)
+    with pytest.raises(InvalidParameter, match=r"noise_multiplier=0\.0003 over the strategy's sensitivity"):
+        PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_data(64), batch_size=16),
+            noise_multiplier=3e-4,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+            noise_mechanism="banded-mf",
+            bands=4,
+            epochs=16,
+        )

@@ -163,6 +163,7 @@ class BandedMFServer:
     def round_event(self, round_num: int) -> Any:
         """The Gaussian charged for round ``round_num``: what the prefix up to it needs beyond the charges."""
         from gaussdp.accounting import GaussianEvent
+        from gaussdp.accounting.events import NOISE_MULTIPLIER_MAX
 
         if not 1 <= round_num <= self.num_rounds:
             raise InvalidParameter(
@@ -173,7 +174,7 @@ class BandedMFServer:
         nm = 1.0 / math.sqrt(inc)
         for _ in range(2):  # rounded down over the sqrt and the division
             nm = math.nextafter(nm, 0.0)
-        return GaussianEvent(nm)
+        return GaussianEvent(min(nm, NOISE_MULTIPLIER_MAX))  # smaller: more charged, never less
 
     def clients_of_round(self, round_num: int) -> np.ndarray:
         """The client indices of round ``round_num`` (fixed; each client once per epoch of rounds)."""

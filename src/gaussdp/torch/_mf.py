@@ -17,6 +17,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from gaussdp.accounting import GaussianEvent
+from gaussdp.accounting.events import NOISE_MULTIPLIER_MAX
 from gaussdp.errors import InvalidParameter
 from gaussdp.mf import BandedMFPlan
 from gaussdp.torch.data import DrawnBatches
@@ -130,6 +131,8 @@ class MFCharge:
         nm = 1.0 / math.sqrt(inc)
         for _ in range(2):
             nm = math.nextafter(nm, 0.0)
-        accountant.compose(GaussianEvent(nm))
+        # an increment too small to state is charged at the largest multiplier the accountants
+        # certify: more than is owed, never less
+        accountant.compose(GaussianEvent(min(nm, NOISE_MULTIPLIER_MAX)))
         self.mu2 += inc
         self.charged_upto = upto

@@ -36,6 +36,7 @@ from gaussdp._validate import (
     check_nonnegative,
     check_positive,
 )
+from gaussdp.accounting.events import NOISE_MULTIPLIER_MAX, NOISE_MULTIPLIER_MIN
 from gaussdp.errors import InvalidParameter, NotPrivateWarning
 from gaussdp.mf import BandedMFPlan, BandedNoise
 from gaussdp.torch._clipper import PerSampleClipper
@@ -376,6 +377,7 @@ class PrivacyEngine:
         if not isinstance(batch_first, bool):
             raise TypeError(f"batch_first must be a bool, got batch_first={batch_first!r}")
         sigma = check_nonnegative("noise_multiplier", noise_multiplier)
+        _check_noise_domain(sigma, poisson_sampling)
         if clipping != "per_layer" or not isinstance(max_grad_norm, Sequence):
             check_positive("max_grad_norm", max_grad_norm)  # lists are checked by the clipper
         if self.clipper is not None:
@@ -434,6 +436,14 @@ class PrivacyEngine:
                     f"bands={bands}: a record's participations must be at least bands steps apart"
                 )
             plan = BandedMFPlan.cyclic(steps_per_epoch=len(loader), epochs=epochs, bands=bands)
+            if sigma > 0:
+                try:  # the run's event is a Gaussian of multiplier sigma / sensitivity: in the domain?
+                    plan.event(sigma)
+                except InvalidParameter:
+                    raise InvalidParameter(
+                        f"noise_multiplier={sigma!r} over the strategy's sensitivity "
+                        f"{plan.sensitivity():.6g} is outside the domain the accountants certify"
+                    ) from None
             sample_rate = 1.0 / len(loader)
             expected = float(loader.batch_size)
         else:
@@ -517,7 +527,7 @@ class PrivacyEngine:
         ``(target_epsilon, target_delta)`` under this engine's accountant (and the charge
         :meth:`make_private` describes for ``poisson_sampling``, or for ``noise_mechanism="banded-mf"``
         with ``bands``: the whole run's MF event)."""
-        from gaussdp.accounting import noise_for_epsilon, upper_bound_accountant
+        from gaussdp.accounting import accountant, noise_for_epsilon
 
         eps = check_epsilon(target_epsilon, "target_epsilon")
         delta = check_delta(target_delta, "target_delta")
@@ -534,10 +544,7 @@ class PrivacyEngine:
             sigma = plan.sensitivity() * noise_for_epsilon(
                 target_epsilon=eps, delta=delta, sample_rate=1.0, steps=1, accountant=self.accountant.backend
             )
-            while (
-                upper_bound_accountant(self.accountant.backend).compose(plan.event(sigma)).epsilon(delta)
-                > eps
-            ):
+            while accountant(self.accountant.backend).compose(plan.event(sigma)).epsilon(delta) > eps:
                 sigma *= 1.0 + 1e-12  # the event's rounding: nudge up until the target holds
             kwargs["epochs"] = epochs
         elif kwargs.get("poisson_sampling", True):
@@ -701,7 +708,10 @@ class PrivacyEngine:
                 self._pass_seen, self._pass_mu2 = pass_id, 0.0
             need = (2.0 / sigma) ** 2
             if need > self._pass_mu2 * (1.0 + 1e-12):
-                self.accountant.compose(GaussianEvent(1.0 / math.sqrt(need - self._pass_mu2)))
+                # a missing mu^2 too small to state is charged at the largest multiplier the
+                # accountants certify: a smaller multiplier, so more than is owed, never less
+                missing = 1.0 / math.sqrt(need - self._pass_mu2)
+                self.accountant.compose(GaussianEvent(min(missing, NOISE_MULTIPLIER_MAX)))
                 self._pass_mu2 = need
         self.accountant.step(noised=sigma > 0)
         self.noise_multiplier = sigma
@@ -711,6 +721,23 @@ def check_count_arg(value: Any) -> int:
     """``bands`` of ``noise_mechanism="banded-mf"``: an int >= 1 (named in the error)."""
     check_counts(bands=value)
     return int(value)
+
+
+def _check_noise_domain(sigma: float, poisson_sampling: bool) -> None:
+    """Refuse, at make_private, a multiplier whose steps no accountant certifies: Poisson steps
+    are charged at ``sigma``, fixed-batch passes at ``sigma / 2`` (sensitivity 2C)."""
+    if sigma == 0:
+        return  # not private, and said so by a NotPrivateWarning
+    lo, hi = (
+        (NOISE_MULTIPLIER_MIN, NOISE_MULTIPLIER_MAX)
+        if poisson_sampling
+        else (2 * NOISE_MULTIPLIER_MIN, 2 * NOISE_MULTIPLIER_MAX)
+    )
+    if not lo <= sigma <= hi:
+        raise InvalidParameter(
+            f"noise_multiplier must be 0 or in [{lo:g}, {hi:g}] with poisson_sampling={poisson_sampling}, "
+            f"got noise_multiplier={sigma!r}: outside it no accountant certifies a bound"
+        )
 
 
 class DPLoss(nn.Module):
