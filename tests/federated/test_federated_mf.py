@@ -235,3 +235,17 @@ def test_a_superlink_error_reply_is_a_dropout(monkeypatch):
     assert int(reply.metadata.src_node_id) == 1 and reply.has_error()
     _, metrics = strategy.aggregate_train(1, [reply])
     assert metrics["answered"] == 0 and strategy.server.rounds_done == 1
+
+
+def test_a_restart_with_other_parameters_is_refused(tmp_path):
+    from gaussdp.errors import PrivacyError
+
+    url = f"sqlite:///{tmp_path / 'run.db'}"
+    first = _server(url)
+    for _ in range(3):
+        first.run_round(np.zeros(P), lambda g, ids: _deltas()[ids])
+    with pytest.raises(PrivacyError, match="not the same run"):
+        _server(url, noise_multiplier=3.0).begin_round()
+    with pytest.raises(PrivacyError, match="not the same run"):
+        _server(url, bands=2).begin_round()
+    assert _server(url).begin_round().round_num == 4

@@ -29,7 +29,9 @@ the restart is then ``C_2^{-1} z`` for the trailing block ``C_2`` of ``C``: the 
 ``C' x + Z`` for the block-diagonal ``C'`` obtained from ``C`` by zeroing the entries that link the
 two parts. With participations at least ``bands`` rounds apart, the sensitivity is the largest sum
 of ``k`` squared column norms, and ``C'``'s columns are no longer than ``C``'s: the charges for ``C``
-cover it (the restart costs accuracy, never privacy).
+cover it (the restart costs accuracy, never privacy). A server continuing a run checks that the
+ledger's charges are its own plan's for the rounds done, and refuses otherwise (changed parameters
+would be another strategy, which these charges do not cover).
 
 References:
     Kairouz, McMahan, Song, Thakkar, Thakurta & Xu 2021, "Practical and Private (Deep) Learning
@@ -137,6 +139,7 @@ class BandedMFServer:
         self.num_params: int | None = None
         self._noise = BandedNoise(self.plan.coefficients)
         self._source: Any = None
+        self._resumed_checked = False
 
     # -- accounting ------------------------------------------------------------------------------
     @property
@@ -176,6 +179,19 @@ class BandedMFServer:
             nm = math.nextafter(nm, 0.0)
         return GaussianEvent(min(nm, NOISE_MULTIPLIER_MAX))  # smaller: more charged, never less
 
+    def _check_resumed(self, done: int) -> None:
+        """A server continuing a run must be the run's: what the ledger holds is this plan's charge."""
+        need = 1.0 / self.plan.event(self.noise_multiplier, upto=done).noise_multiplier ** 2
+        charged = self._charged_mu2()
+        if not need * (1 - 1e-9) <= charged <= need * (1 + 1e-9) + done * 2 * _MIN_MU2:
+            raise PrivacyError(
+                f"the ledger holds {done} rounds of {self.ledger.principal!r} charged mu^2={charged:.6g}, "
+                f"but this server's plan charges mu^2={need:.6g} for them: it is not the same run "
+                "(num_clients, clients_per_round, num_rounds, bands and noise_multiplier must not change); "
+                "use a new run_id"
+            )
+        self._resumed_checked = True
+
     def clients_of_round(self, round_num: int) -> np.ndarray:
         """The client indices of round ``round_num`` (fixed; each client once per epoch of rounds)."""
         block = (round_num - 1) % self.rounds_per_epoch
@@ -191,6 +207,8 @@ class BandedMFServer:
             InvalidParameter: the run has done all its planned rounds.
         """
         round_num = self.rounds_done + 1
+        if round_num > 1 and not self._resumed_checked:
+            self._check_resumed(round_num - 1)
         self.ledger.check_round(round_num, self.round_event(round_num))
         return RoundPlan(
             round_num=round_num, clients=self.clients_of_round(round_num), clip_norm=self._clip_norm
