@@ -189,7 +189,12 @@ def train_once(
         "seconds": seconds,
         "sigma": float(engine.noise_multiplier or 0.0),
         "params": float(params),
-        "buffer": float(bands * params if method == "mf" else 0),
+        # measured: the ring's numbers plus one work array per parameter (the docs say bands x params)
+        "buffer": float(
+            opt.correlated.buffered_values() + sum(p.numel() for p in model.parameters() if p.requires_grad)
+            if method == "mf"
+            else 0
+        ),
         "eps": spent,
     }
 
