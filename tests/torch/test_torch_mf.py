@@ -249,3 +249,32 @@ def test_noise_outside_the_certified_domain_is_refused_at_make_private():
             bands=4,
             epochs=16,
         )
+
+
+def test_noise_memory_is_bands_times_the_trainable_parameters():
+    _, model, opt, loader = _private(bands=3, epochs=2, width=50)
+    _train_epoch(model, opt, loader)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    ring = opt.correlated.buffered_values()
+    work = sum(opt.correlated.scratch(p).numel() for p in model.parameters())
+    assert ring == 2 * trainable and work == trainable  # (b - 1) + 1 = b x parameters
+
+
+def test_frozen_parameters_have_no_buffer():
+    """Only trainable parameters are noised, so adapters (LoRA) keep the buffer small."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 200), nn.ReLU(), nn.Linear(200, 3))
+    model[0].requires_grad_(False)
+    _, opt, loader = PrivacyEngine().make_private(
+        module=model,
+        optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+        data_loader=DataLoader(_data(64), batch_size=16),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        noise_mechanism="banded-mf",
+        bands=4,
+        epochs=1,
+    )
+    _train_epoch(model, opt, loader)
+    assert opt.correlated.buffered_values() == 3 * (200 * 3 + 3)
