@@ -27,17 +27,18 @@ Run: ``.venv/bin/python benchmarks/bench_mf.py [--seeds 5] [--epochs 15]
 Results: ``benchmarks/results/bench_mf.txt`` (batch 64, 16 bands, 15 epochs) and
 ``bench_mf_batch256.txt`` (batch 256, 4 bands, 30 epochs).
 
-Findings (2 shared CPU cores, 5 seeds): banded MF did **not** beat DP-SGD here. On the digits CNN it
-is significantly worse at epsilon 2 (-0.17 at batch 64, p = 0.02; -0.09 at batch 256, p = 0.04)
-and at epsilon 8 with batch 64 (-0.08, p = 0.002), tied at epsilon 8 with batch 256 (-0.003,
-p = 0.8); on the text task (near ceiling) the two are tied at epsilon 8 and MF is 0.01 lower at
-epsilon 2 (n.s.). Federated (200 clients, 20 per round, 50 rounds, epsilon 8): tied (in process
--0.006, on Flower +0.002, both n.s.). Why: DP-SGD's Poisson amplification is strong at these
-sample rates (1/23 and 1/6) and these runs have few participations per record (15 to 30 epochs); by
-the linear analysis the MF strategy's total prefix-sum error at epsilon 8 (digits, batch 64) is
-0.76x DP-SGD's, at epsilon 2 1.7x, a small margin that the nonlinear models do not turn into
-accuracy. The MF literature reports gains with weak amplification (large batches relative to the
-data) and many participations per record, a regime these small runs are not in.
+Findings (2 shared CPU cores, 5 seeds; the noise is drawn from OS entropy, so a rerun differs within
+the intervals): banded MF did **not** beat DP-SGD here. At epsilon 2 it is significantly worse on
+the digits CNN (-0.24 at batch 64, p = 0.003; -0.09 at batch 256, p = 0.02) and on the text task at
+batch 256 (-0.007, p = 0.02; -0.013 at batch 64, n.s.). At epsilon 8 the two are tied: digits
++0.010 (batch 64) and -0.027 (batch 256), text +0.002 and 0.000, none significant. Federated (200
+clients, 20 per round, 50 rounds, epsilon 8): tied (in process -0.006, on Flower -0.006, n.s.). Why:
+DP-SGD's Poisson amplification is strong at these sample rates (1/23, 1/6) and a record takes part
+only 15 to 30 times; by the linear analysis, the MF strategy's total prefix-sum error on digits at
+batch 64 is 0.76x DP-SGD's at epsilon 8 and 1.7x at epsilon 2, a small margin. The MF literature
+reports gains with weak amplification and many participations per record, a regime these small
+runs are not in. Time: MF is at most 1.16x DP-SGD per run and 0.98x to 1.15x in CPU time per step
+(16 bands); its noise buffer is measured at bands x the trainable parameters.
 """
 
 from __future__ import annotations
