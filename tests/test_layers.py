@@ -26,6 +26,7 @@ SURFACES = 4
 _TOP = {
     "accounting": ACCOUNTING,
     "budget": BUDGET,
+    "mf": ACCOUNTING,  # strategies and correlated noise over the accounting of banded MF
     "torch": APPLICATIONS,
     "federated": APPLICATIONS,
     "text": APPLICATIONS,
