@@ -22,6 +22,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "text": ("gensim",),
     "federated": ("flwr",),
     "he": ("tenseal",),
+    "data": ("pyarrow", "fsspec"),
+    "ray": ("ray",),
 }
 
 

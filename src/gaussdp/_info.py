@@ -84,11 +84,11 @@ def noise_backends() -> dict[str, Any]:
 
 def accountants() -> list[dict[str, Any]]:
     """Every accountant the factory knows, and whether it gives an upper bound (gdp does not)."""
-    from gaussdp.accounting.base import _registry
+    from gaussdp.accounting.registry import ACCOUNTANTS
 
     return [
         {"name": name, "upper_bound": not cls.approximate, "class": cls.__name__}
-        for name, cls in _registry().items()
+        for name, cls in ACCOUNTANTS.items()
     ]
 
 

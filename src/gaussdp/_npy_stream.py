@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from gaussdp import mechanism as _mechanism
+from gaussdp._neighbouring import Neighbouring
 from gaussdp._rows import SEED_BLOCK_ROWS, check_seed, noise_rows, release_epsilon
 from gaussdp._validate import check_choice, check_delta, check_epsilon, check_positive
 from gaussdp.clipping import clip_rows
@@ -62,7 +63,32 @@ class SanitizeReport:
     private: bool
 
 
+def _sniff_not_npy(path: Path) -> None:
+    """Refuse a file that is not a .npy at all (a CSV named .npy) with what it looks like."""
+    with open(path, "rb") as f:
+        head = f.read(256)
+    if head.startswith(b"\x93NUMPY"):
+        return
+    if head.startswith(b"PAR1"):
+        raise UnsafeInput(
+            f"in_path {str(path)!r} is a Parquet file, not a .npy: name the embedding column with --column "
+            "(gaussdp.tables.sanitize_parquet)"
+        )
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        text = ""
+    if text and (text.isprintable() or any(c in text for c in ",;\t\n")):
+        first = text.splitlines()[0][:60] if text.splitlines() else text[:60]
+        raise UnsafeInput(
+            f"in_path {str(path)!r} is text (it starts {first!r}), not a .npy array: a CSV? Convert it "
+            "first, e.g. numpy.save('x.npy', numpy.loadtxt('x.csv', delimiter=',', dtype='float32'))"
+        )
+    raise UnsafeInput(f"in_path {str(path)!r} is not a .npy file (no NumPy magic string)")
+
+
 def _open_npy_matrix(path: Path) -> np.memmap:
+    _sniff_not_npy(path)
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError:
@@ -310,8 +336,8 @@ def sanitize_npy(
     finally:
         pool.shutdown(wait=True)
 
-    eps_true = release_epsilon(mech, delta, "add_remove")
-    eps_replace = release_epsilon(mech, delta, "replace")
+    eps_true = release_epsilon(mech, delta, Neighbouring.ADD_REMOVE)
+    eps_replace = release_epsilon(mech, delta, Neighbouring.REPLACE_ONE)
     return SanitizeReport(
         rows=rows,
         cols=cols,

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from gaussdp import mechanism as _mechanism
+from gaussdp._neighbouring import Neighbouring, check_neighbouring
 from gaussdp.errors import InvalidParameter, NotPrivateWarning
 from gaussdp.noise import NoiseSource, add_gaussian_rows, noise_source
 
@@ -71,16 +72,12 @@ def release_epsilon(mech: Any, delta: float, neighbouring: str) -> float:
     """Epsilon at ``delta`` of one row release by ``mech`` (sensitivity = its clip norm C).
 
     ``"add_remove"``: a row added or removed (an absent row counting as zero) moves the output
-    by at most C. ``"replace"``: two rows in the C-ball differ by up to 2C.
+    by at most C. ``"replace_one"``: two rows in the C-ball differ by up to 2C.
     """
-    if neighbouring == "add_remove":
+    if check_neighbouring(neighbouring) is Neighbouring.ADD_REMOVE:
         return float(mech.epsilon(delta))
-    if neighbouring == "replace":
-        # Two rows in the C-ball differ by up to 2C: the same sigma at twice the sensitivity.
-        doubled = _mechanism.GaussianMechanism(
-            sigma=mech.sigma, sensitivity=2.0 * mech.sensitivity, noise=mech.source
-        )
-        return float(doubled.epsilon(delta))
-    raise InvalidParameter(
-        f"neighbouring must be 'add_remove' or 'replace', got neighbouring={neighbouring!r}"
+    # Two rows in the C-ball differ by up to 2C: the same sigma at twice the sensitivity.
+    doubled = _mechanism.GaussianMechanism(
+        sigma=mech.sigma, sensitivity=2.0 * mech.sensitivity, noise=mech.source
     )
+    return float(doubled.epsilon(delta))

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from gaussdp import mechanism as _mechanism
+from gaussdp._neighbouring import Neighbouring
 from gaussdp._npy_stream import SanitizeReport, sanitize_npy
 from gaussdp._rows import SEED_BLOCK_ROWS, check_seed, noise_rows, release_epsilon
 from gaussdp._validate import SetOnce, check_delta, check_positive, real_number
@@ -239,10 +240,10 @@ class EmbeddingSanitizer(SetOnce):
             raise InvalidParameter("the sanitizer is disabled (config.enabled=False): nothing to account")
         return self.mechanism.event
 
-    def epsilon(self, delta: float | None = None, *, neighbouring: str = "add_remove") -> float:
+    def epsilon(self, delta: float | None = None, *, neighbouring: str = Neighbouring.ADD_REMOVE) -> float:
         """True epsilon of one :meth:`sanitize` call at ``delta`` (default: the configured delta).
 
-        ``neighbouring="add_remove"`` (sensitivity C) or ``"replace"`` (sensitivity 2C).
+        ``neighbouring="add_remove"`` (sensitivity C) or ``"replace_one"`` (sensitivity 2C).
         """
         if self.mechanism is None:
             raise InvalidParameter("the sanitizer is disabled (config.enabled=False): no noise is added")

@@ -165,6 +165,10 @@ class NoiseSource:
         return f"<NoiseSource {self.name} private={self.private} float_safe={self.float_safe}>"
 
 
+# Bytes one ChaCha20 key and nonce can produce: 2^32 blocks of 64 bytes (256 GiB).
+_CHACHA_MAX_BYTES = (1 << 32) * 64
+
+
 class _SecureSource(NoiseSource):
     name = "secure"
     private = True
@@ -177,13 +181,19 @@ class _SecureSource(NoiseSource):
         self._pid = os.getpid()
         self._key = secrets.token_bytes(32)
         self._counter = 0
+        self._used = 0
         self._zeros = b""
         self._chacha: Any = None
         try:
             from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
-            nonce = secrets.token_bytes(16)
-            self._chacha = Cipher(algorithms.ChaCha20(self._key, nonce), mode=None).encryptor()
+            # cryptography's 16-byte ChaCha20 nonce starts with the 32-bit block counter (RFC 7539
+            # layout): a random one overflows after (2^32 - counter) 64-byte blocks, a few GB for an
+            # unlucky draw (issue 33's Ray benchmark hit it). The key is fresh per source, so the
+            # counter starts at 0 and the remaining 12 bytes stay random; random_bytes re-keys
+            # before the 2^32 blocks are used up.
+            self._nonce = bytes(4) + secrets.token_bytes(12)
+            self._chacha = Cipher(algorithms.ChaCha20(self._key, self._nonce), mode=None).encryptor()
             self.stream = "ChaCha20"
         except ImportError:  # pragma: no cover - cryptography is usually present
             self.stream = "SHAKE-256"
@@ -192,6 +202,9 @@ class _SecureSource(NoiseSource):
         if os.getpid() != self._pid:  # a forked child must not replay the parent's stream
             self._rekey()
         if self._chacha is not None:
+            if self._used + nbytes > _CHACHA_MAX_BYTES:
+                self._rekey()  # a fresh key from OS entropy: an independent stream continues
+            self._used += nbytes
             if len(self._zeros) < nbytes:
                 self._zeros = bytes(nbytes)
             out: bytes = self._chacha.update(memoryview(self._zeros)[:nbytes])

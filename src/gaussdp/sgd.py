@@ -11,7 +11,7 @@ the total under ``epsilon``. Here the whole run is fixed up front (``num_rounds`
 Poisson sample with probability ``sample_rate``) and the noise multiplier is the smallest one for
 which the tight accountant (``accountant="pld"``, privacy loss distributions) certifies the whole
 run at ``(epsilon, delta)`` (:func:`gaussdp.accounting.noise_for_epsilon`, through the DP-SGD privacy
-manager's run budget :class:`gaussdp.accounting.documents.PrivacyBudget`, the manager's ``privacy_budget``).
+manager's run budget :class:`gaussdp.accounting.run_budget.PrivacyBudget`, the manager's ``privacy_budget``).
 After ``num_rounds`` steps the manager refuses further releases with
 :class:`gaussdp.errors.BudgetExhausted` (nothing is noised or released), and
 :meth:`PrivacyManager.get_privacy_status` reports the accountant's epsilon of the steps taken.
@@ -160,7 +160,7 @@ class PrivacyManager(SetOnce):
         noise: SourceKind = "secure",
         seed: int | None = None,
     ) -> None:
-        from gaussdp.accounting.documents import PrivacyBudget
+        from gaussdp.accounting.run_budget import PrivacyBudget
 
         self.epsilon = check_epsilon(epsilon)
         self.delta = check_delta(delta)

@@ -17,7 +17,7 @@ from gaussdp.accounting import (
     estimate_noise_scale,
     noise_for_epsilon,
 )
-from gaussdp.budget import Budget, Ledger, PrivacyAccountant
+from gaussdp.budget import Budget, Ledger, PrivacyTracker
 from gaussdp.errors import InvalidParameter
 
 REFUSED = "accountant='gdp' is an approximation, not an upper bound"
@@ -54,7 +54,7 @@ def test_noise_for_epsilon():
         lambda: compute_delta_from_epsilon(2.0, 1.0, accountant="gdp", **RUN),
         lambda: estimate_noise_scale(1.0, 1e-5, accountant="gdp", **RUN),
         lambda: PrivacyBudget(1.0, 1e-5, 10, accountant="gdp"),
-        lambda: PrivacyAccountant(target_epsilon=1.0, accountant="gdp"),
+        lambda: PrivacyTracker(target_epsilon=1.0, accountant="gdp"),
         lambda: Ledger().open("p", Budget(1.0, 1e-5), accountant="gdp"),
     ],
     ids=[
@@ -62,7 +62,7 @@ def test_noise_for_epsilon():
         "compute_delta",
         "estimate_noise_scale",
         "PrivacyBudget",
-        "PrivacyAccountant",
+        "PrivacyTracker",
         "ledger",
     ],
 )

@@ -45,12 +45,13 @@ def test_exports_match_all():
         "advanced",
         "base",
         "basic",
-        "documents",
         "events",
         "gdp",
         "inverse",
         "pld",
         "rdp",
+        "registry",
+        "run_budget",
         "annotations",
     }
     assert set(acc_pkg.__all__) == public - modules
@@ -87,13 +88,15 @@ def test_pld_fft_composition_matches_direct_convolution():
     # convolution of the same discrete PLD: never below it, and only the stated allowances above.
     import numpy as np
 
-    from gaussdp.accounting import PLDAccountant
+    from gaussdp.accounting._pld_fft import FFTEngine
+    from gaussdp.accounting._pld_grid import Discretisation
 
     ev, k = SubsampledGaussianEvent(1.0, 0.05), 4
-    acc = PLDAccountant(value_discretization_interval=2e-3).compose(ev, k)
-    acc.epsilon(1e-5)
-    for direction, composed in acc._compose_all().items():
-        leaf = acc._leaf_pmf(ev, k, direction, composed.h)
+    grid = Discretisation(fixed_h=2e-3, tail_mass=1e-14)  # PLDAccountant's default truncation
+    composition = FFTEngine(grid, fft_floor=1e-13).composition({ev: k})
+    for direction in ("remove", "add"):
+        composed = composition[direction]
+        leaf = grid.leaf_pmf(ev, k, direction, composed.h)
         direct = leaf.pmf
         for _ in range(k - 1):
             direct = np.convolve(direct, leaf.pmf)

@@ -7,7 +7,13 @@ import math
 import numpy as np
 import pytest
 
-from gaussdp.accounting import GaussianEvent, PLDAccountant, SubsampledGaussianEvent, accountant
+from gaussdp.accounting import (
+    EpsilonDeltaEvent,
+    GaussianEvent,
+    PLDAccountant,
+    SubsampledGaussianEvent,
+    accountant,
+)
 from gaussdp.accounting.rdp import DEFAULT_ORDERS, subsampled_gaussian_rdp
 from gaussdp.calibration import epsilon_for_mu
 
@@ -18,6 +24,20 @@ rdp_lib = pytest.importorskip("dp_accounting.rdp.rdp_privacy_accountant")
 
 # Abadi et al. 2016, MNIST: lot 256 of 60000, sigma 1.1, 60 epochs, delta 1e-5.
 Q, SIGMA, STEPS, DELTA = 256 / 60000, 1.1, 14063, 1e-5
+
+
+def _default_grid():
+    # The PLD accountant's grid with its default truncation (PLDAccountant(tail_mass=1e-14)).
+    from gaussdp.accounting._pld_grid import Discretisation
+
+    return Discretisation(fixed_h=None, tail_mass=1e-14)
+
+
+def _default_engine():
+    # The PLD accountant's FFT engine with its default allowances (tail_mass=1e-14, fft_floor=1e-13).
+    from gaussdp.accounting._pld_fft import FFTEngine
+
+    return FFTEngine(_default_grid(), fft_floor=1e-13)
 
 
 def _dp_pld(sigma, q, steps, delta, h=1e-4):
@@ -98,7 +118,7 @@ def test_default_orders_are_dense_and_not_capped_at_63():
 def test_pld_never_below_a_much_finer_discretisation(sigma, q, steps):
     ev = SubsampledGaussianEvent(sigma, q)
     ours = PLDAccountant().compose(ev, steps)
-    h = ours._grid_h()
+    h = _default_grid().grid_h({ev: steps})
     fine = PLDAccountant(value_discretization_interval=h / 4).compose(ev, steps)
     for delta in (1e-3, 1e-5, 1e-8):
         e, ef = ours.epsilon(delta), fine.epsilon(delta)
@@ -120,11 +140,11 @@ def test_pld_online_updates_the_spectrum_incrementally():
     ev = SubsampledGaussianEvent(SIGMA, Q)
     acc.compose(ev, 1100)
     acc.epsilon(DELTA)
-    n_before = acc._fft_state["remove"][1]
+    n_before = acc._fft._fft_state["remove"][1]
     for _ in range(20):
         acc.compose(ev)
         acc.epsilon(DELTA)
-    assert acc._fft_state["remove"][1] == n_before  # same window: each step was one multiply
+    assert acc._fft._fft_state["remove"][1] == n_before  # same window: each step was one multiply
     batch = PLDAccountant().compose(ev, 1120).epsilon(DELTA)
     assert acc.epsilon(DELTA) == pytest.approx(batch, rel=1e-9)
 
@@ -159,7 +179,9 @@ def test_pld_small_delta_tilted_never_below_exact_and_tighter_than_rdp(delta):
     assert exact <= acc.epsilon(delta) <= exact * 1.001
     ev = SubsampledGaussianEvent(1.0, 0.01)
     ours = PLDAccountant().compose(ev, 1000)
-    fine = PLDAccountant(value_discretization_interval=ours._grid_h() / 4).compose(ev, 1000)
+    fine = PLDAccountant(value_discretization_interval=_default_grid().grid_h({ev: 1000}) / 4).compose(
+        ev, 1000
+    )
     assert fine.epsilon(delta) <= ours.epsilon(delta) <= fine.epsilon(delta) * 1.005
     assert ours.epsilon(delta) < accountant("rdp").compose(ev, 1000).epsilon(delta)
 
@@ -212,7 +234,7 @@ def test_pld_online_steps_convolve_the_checkpoint_and_agree_with_batch():
     # Online (compose one step, query): up to _ONLINE_STEPS steps are convolved with the last full
     # composition at the queried grid points. Same discrete PLD as a batch composition: the answers
     # agree to rounding and the allowances, for epsilon and delta, across the leaf's count buckets.
-    from gaussdp.accounting.pld import _Stepped
+    from gaussdp.accounting._pld_values import Stepped
 
     ev = SubsampledGaussianEvent(SIGMA, Q)
     acc = PLDAccountant()
@@ -224,7 +246,7 @@ def test_pld_online_steps_convolve_the_checkpoint_and_agree_with_batch():
             assert eps == pytest.approx(batch.epsilon(DELTA), rel=1e-6)
             for e in (0.5 * eps, eps, 2 * eps):
                 assert acc.delta(e) == pytest.approx(batch.delta(e), rel=1e-5, abs=1e-12)
-    assert isinstance(acc._current()["remove"], _Stepped)
+    assert isinstance(acc._fft.current(acc.counts)["remove"], Stepped)
 
 
 @pytest.mark.parametrize(
@@ -234,11 +256,28 @@ def test_pld_add_direction_certificate_is_a_bound(sigma, q, steps):
     # The add direction is skipped where a Chernoff bound on its delta is already below the answer:
     # that bound is never below the composed add direction's delta, and the answers are unchanged.
     ev = SubsampledGaussianEvent(sigma, q)
-    acc = PLDAccountant().compose(ev, steps)
-    both = acc._compose_all()
+    engine = _default_engine()
+    composition = engine.composition({ev: steps})
+    both = {d: composition[d] for d in ("remove", "add")}
     for x in (0.0, 0.1, 0.5, 1.0, 3.0):
         # (the composed delta carries the truncation and FFT allowances, which the bound needs not)
-        assert acc._add_delta_bound(x) >= (both["add"].delta(x) - both["add"].tail) * (1 - 1e-9)
+        assert engine.add_delta_bound({ev: steps}, x) >= (both["add"].delta(x) - both["add"].tail) * (
+            1 - 1e-9
+        )
     for delta in (1e-3, 1e-5, 1e-8):
         full = max(c.epsilon(delta) for c in both.values())
         assert PLDAccountant().compose(ev, steps).epsilon(delta) == pytest.approx(full, rel=1e-12)
+
+
+def test_pld_grid_and_coarse_check_share_one_loss_spread():
+    # One per-step loss variance for both the grid choice and the coarse-grid check. An (epsilon,
+    # delta) event's losses are +-epsilon: it counts epsilon^2 per step (the grid is sized for it, so
+    # a composition of such events alone is never "coarse"; a copy that left it out called every
+    # such grid coarse, comparing h with a spread of zero).
+    from gaussdp.accounting._pld_grid import loss_mu2
+
+    assert loss_mu2({EpsilonDeltaEvent(0.5): 4}) == pytest.approx(1.0)
+    assert loss_mu2({EpsilonDeltaEvent(0.5): 4, GaussianEvent(2.0): 3}) == pytest.approx(1.75)
+    for counts in ({EpsilonDeltaEvent(1.0): 10}, {EpsilonDeltaEvent(0.3, 1e-6): 5, GaussianEvent(1.0): 2}):
+        assert not _default_grid().is_coarse(counts)
+    assert not _default_grid().is_coarse({SubsampledGaussianEvent(1.0, 0.01): 1000})

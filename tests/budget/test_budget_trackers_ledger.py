@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gaussdp.accounting import GaussianEvent
-from gaussdp.budget import Ledger, PrincipalConflict, PrivacyAccountant, PrivacyBudgetTracker
+from gaussdp.budget import Ledger, PrincipalConflict, PrivacyBudgetTracker, PrivacyTracker
 from gaussdp.errors import BudgetExhausted, InvalidParameter, PrivacyError, PrivacyWarning
 
 # Mixed query sizes: after the first refusal, smaller queries may still fit, so the whole
@@ -118,8 +118,8 @@ def test_tracker_warn_policy_on_a_ledger_charges_and_warns(tmp_path: Path) -> No
 
 def test_accountant_charges_the_ledger_before_recording(tmp_path: Path) -> None:
     url = _url(tmp_path)
-    memory = PrivacyAccountant(target_epsilon=3.0)
-    acc = PrivacyAccountant(target_epsilon=3.0, target_delta=1e-3, ledger=url, principal="doc003/fed")
+    memory = PrivacyTracker(target_epsilon=3.0)
+    acc = PrivacyTracker(target_epsilon=3.0, target_delta=1e-3, ledger=url, principal="doc003/fed")
     try:
         for r in (1, 2, 3):
             memory.record_expenditure(1.0, 1e-5, r)
@@ -142,7 +142,7 @@ def test_accountant_charges_the_ledger_before_recording(tmp_path: Path) -> None:
         acc.close()
 
     # A fresh accountant on the same file reads the totals and the report back, and keeps refusing.
-    again = PrivacyAccountant(ledger=url, principal="doc003/fed")
+    again = PrivacyTracker(ledger=url, principal="doc003/fed")
     try:
         assert (again.target_epsilon, again.target_delta) == (3.0, 1e-3)
         assert again.expenditures == []
@@ -162,11 +162,11 @@ def test_accountant_charges_the_ledger_before_recording(tmp_path: Path) -> None:
 def test_accountant_ledger_arguments(tmp_path: Path) -> None:
     url = _url(tmp_path)
     with pytest.raises(InvalidParameter, match="target_delta"):
-        PrivacyAccountant(target_epsilon=1.0, ledger=url, principal="p")
-    acc = PrivacyAccountant(target_epsilon=1.0, target_delta=1e-5, ledger=url, principal="p")
+        PrivacyTracker(target_epsilon=1.0, ledger=url, principal="p")
+    acc = PrivacyTracker(target_epsilon=1.0, target_delta=1e-5, ledger=url, principal="p")
     assert acc.get_total_privacy() == (0.0, 0.0) and acc.get_report()["num_expenditures"] == 0
     acc.close()
     with pytest.raises(PrincipalConflict):
-        PrivacyAccountant(target_epsilon=2.0, ledger=url, principal="p")
+        PrivacyTracker(target_epsilon=2.0, ledger=url, principal="p")
     with pytest.raises(PrincipalConflict):
-        PrivacyAccountant(ledger=url, principal="p", accountant="pld")
+        PrivacyTracker(ledger=url, principal="p", accountant="pld")

@@ -55,14 +55,14 @@ def test_adapter_validates_its_arguments() -> None:
 def test_a_budget_refuses_an_approximate_accountant():
     """The CLT 'gdp' accountant can fall below the true epsilon: no budget may be enforced with it."""
     from gaussdp.accounting import PrivacyBudget
-    from gaussdp.budget import PrivacyAccountant
+    from gaussdp.budget import PrivacyTracker
     from gaussdp.errors import InvalidParameter
 
     ledger = Ledger("memory://")
     with pytest.raises(InvalidParameter, match="approximation"):
         ledger.open("p", Budget(1.0, 1e-5), accountant="gdp")
     with pytest.raises(InvalidParameter, match="approximation"):
-        PrivacyAccountant(target_epsilon=1.0, accountant="gdp")
+        PrivacyTracker(target_epsilon=1.0, accountant="gdp")
     with pytest.raises(InvalidParameter, match="approximation"):
         PrivacyBudget(1.0, 1e-5, 10, accountant="gdp")
     ledger.open("q", Budget(1.0, 1e-5), accountant="pld")  # an upper-bound accountant is fine

@@ -117,7 +117,7 @@ def test_split_mode_through_the_service_matches_the_in_process_result(served_lm)
     assert not torch.equal(out.logits, model(ids).logits)  # the delta (and the noise) did change them
     # the server charged the session what the client declared: one row, sigma / (2 C)
     assert len(charges) == 1 and charges[0].event == {"noise_multiplier": 2.5, "type": "gaussian"}
-    assert answer.neighbouring == "replace" and answer.noise_multiplier == 2.5
+    assert answer.neighbouring == "replace_one" and answer.noise_multiplier == 2.5
 
 
 def test_split_mode_under_ckks_matches_the_plain_split(served_lm) -> None:  # type: ignore[no-untyped-def]

@@ -216,3 +216,17 @@ def test_fast_release_clips_within_bound(dtype):
         assert out.dtype == dtype
         assert np.linalg.norm(out.astype(np.float64)) <= c
         assert np.linalg.norm(out.astype(np.float64)) >= c * (1 - 1e-2)
+
+
+def test_secure_stream_never_overflows_its_chacha20_counter():
+    """The counter starts at 0 (a random one overflowed after a few GB, issue 33); re-keyed before 2^32."""
+    from gaussdp import noise as noise_module
+
+    src = noise_source("secure")
+    if src.stream != "ChaCha20":
+        pytest.skip("the SHAKE-256 fallback has no block counter")
+    assert src._nonce[:4] == bytes(4)
+    src._used = noise_module._CHACHA_MAX_BYTES - 32  # as if 256 GiB had been drawn
+    key = src._key
+    assert len(src.random_bytes(64)) == 64  # would need blocks past 2^32: a new key instead
+    assert src._key != key and src._used == 64 and src._nonce[:4] == bytes(4)

@@ -239,7 +239,7 @@ def test_sanitizer_epsilon_add_remove_and_replace():
     eps = san.epsilon()
     assert 0.999 <= eps <= 1.0 + 1e-9
     # Replacing a row moves it by up to 2C: same sigma at double the sensitivity.
-    assert san.epsilon(neighbouring="replace") == pytest.approx(
+    assert san.epsilon(neighbouring="replace_one") == pytest.approx(
         epsilon_for(sigma=san.sigma, delta=1e-5, sensitivity=4.0 * SLACK), rel=1e-9
     )
     with pytest.raises(InvalidParameter, match="neighbouring"):

@@ -93,7 +93,7 @@ def test_resumed_server_continues_the_same_sqlite_ledger(tmp_path) -> None:
     assert report["num_expenditures"] == 5 and report["total_epsilon"] == pytest.approx(expected)
     assert report["target_epsilon"] == 50.0 and not report["budget_exceeded"]
     assert report["remaining_budget"] == pytest.approx(50.0 - expected)
-    # Document 003's PrivacyAccountant (the accounting layer's class) rebuilt from the same records.
+    # Document 003's PrivacyTracker (the accounting layer's class) rebuilt from the same records.
     doc = second.ledger.report()
     assert list(doc["expenditures_by_round"]) == [f"round_{r}" for r in range(1, 6)]
     assert doc["num_expenditures"] == 5 and doc["total_delta"] == pytest.approx(DELTA)

@@ -112,8 +112,24 @@ class Cluster:
         return (self.root / f"{name}.log").read_text(errors="replace")
 
     def start(self) -> None:
+        self.start_superlink("superlink")
+        for i, port in enumerate(self.node_ports):
+            self.spawn(
+                f"supernode{i}",
+                "flower-supernode",
+                "--insecure",
+                "--superlink",
+                f"127.0.0.1:{self.port}",
+                "--port",
+                str(port),
+                "--node-config",
+                f"partition-id={i} num-partitions={NODES}",
+            )
+
+    def start_superlink(self, name: str) -> subprocess.Popen:
+        """The SuperLink, its state in ``superlink.db`` (a restart with the same file continues)."""
         link = self.spawn(
-            "superlink",
+            name,
             "flower-superlink",
             "--insecure",
             "--host",
@@ -127,28 +143,17 @@ class Cluster:
         deadline = time.monotonic() + 60
         while True:
             if link.poll() is not None:
-                raise RuntimeError(f"flower-superlink exited:\n{self.log('superlink')[-3000:]}")
+                raise RuntimeError(f"flower-superlink exited:\n{self.log(name)[-3000:]}")
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
                 break
             except OSError:
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"no SuperLink on port {self.port}:\n{self.log('superlink')[-3000:]}"
+                        f"no SuperLink on port {self.port}:\n{self.log(name)[-3000:]}"
                     ) from None
                 time.sleep(0.2)
-        for i, port in enumerate(self.node_ports):
-            self.spawn(
-                f"supernode{i}",
-                "flower-supernode",
-                "--insecure",
-                "--superlink",
-                f"127.0.0.1:{self.port}",
-                "--port",
-                str(port),
-                "--node-config",
-                f"partition-id={i} num-partitions={NODES}",
-            )
+        return link
 
     def flwr_run(self, config: str, *, stream: bool, timeout: float, name: str) -> str:
         args = ["flwr", "run", str(EXAMPLE), "test", "--run-config", config] + (
@@ -274,3 +279,104 @@ def test_a_killed_serverapp_resumes_at_the_next_round(cluster, tmp_path) -> None
     assert load_checkpoint(ck)[0] == 2
     cluster.stop()
     assert cluster.alive() == []
+
+
+def test_a_killed_superlink_restarts_and_the_run_completes(cluster, tmp_path) -> None:
+    """Issue 34: the SuperLink is killed after round 1 and started again on its database; the
+    SuperNodes reconnect, a new ``flwr run`` continues from the ledger: each round charged once."""
+    config = _config(tmp_path, **{"num-server-rounds": 3, "round-pause-s": 30.0})
+    cluster.flwr_run(config, stream=False, timeout=60, name="submit")
+    ck = tmp_path / "checkpoint.npz"
+    deadline = time.monotonic() + 300
+    while (saved := load_checkpoint(ck) if ck.exists() else None) is None or saved[0] < 1:
+        assert time.monotonic() < deadline, cluster.log("superlink")[-4000:]
+        time.sleep(0.2)
+    link = cluster.procs[0]
+    os.killpg(link.pid, signal.SIGKILL)  # the SuperLink and the SuperExec it started
+    link.wait(timeout=10)
+    # The run's ServerApp ends with its SuperExec (Flower 1.42); if it lingers, it is stopped here as
+    # an operator would: its round 2 was never charged, so nothing is lost either way.
+    deadline = time.monotonic() + 30
+    while _serverapp_pids(cluster) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in _serverapp_pids(cluster):
+        os.kill(pid, signal.SIGKILL)
+    assert _rounds(tmp_path) == ["digits#round=1"]
+
+    cluster.start_superlink("superlink-restarted")
+    out = cluster.flwr_run(
+        config.replace("round-pause-s=30.0", "round-pause-s=0.0"), stream=True, timeout=300, name="resume"
+    )
+    assert "rounds in the ledger: 1" in out and "done: 3 rounds" in out, out[-4000:]
+    assert "round 1:" not in out and "round 3:" in out
+    assert _rounds(tmp_path) == ["digits#round=1", "digits#round=2", "digits#round=3"]
+    spent = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}").spent("digits").epsilon
+    assert spent == pytest.approx(_accountant_epsilon(3), rel=1e-12)
+    assert load_checkpoint(ck)[0] == 3
+    # the SuperNodes reconnected to the restarted SuperLink (its database kept their registration)
+    assert all("Connection successful" in cluster.log(f"supernode{i}") for i in range(NODES))
+    cluster.stop()
+    assert cluster.alive() == []
+
+
+README = EXAMPLE / "README.md"
+README_PORTS = (9091, 9094, 9095, 9096)
+
+
+def _readme_deployment_block() -> str:
+    text = README.read_text()
+    start = text.index("```bash\n", text.index("Deployment runtime")) + len("```bash\n")
+    return text[start : text.index("```", start)]
+
+
+def test_the_readmes_deployment_commands_run_as_written(tmp_path) -> None:
+    """The README's block, verbatim, in a copy of the example folder: a SuperLink on its database,
+    3 SuperNodes, ``flwr run``; it must exit 0 having printed ``done: 3 rounds`` and charged each
+    round once."""
+    import shutil
+
+    for port in README_PORTS:  # the README's fixed ports
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                pytest.skip(f"port {port} of the README's commands is in use on this machine")
+    app = tmp_path / "flower-digits"
+    shutil.copytree(
+        EXAMPLE, app, ignore=shutil.ignore_patterns(".flwr", "*.db", "*.log", "*.npz", "__pycache__")
+    )
+    token = uuid.uuid4().hex
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
+    env["GAUSSDP_FLOWER_TEST"] = token
+    with open(tmp_path / "readme.log", "wb") as log:
+        proc = subprocess.Popen(
+            ["bash", "-c", _readme_deployment_block()],
+            cwd=app,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        rc = proc.wait(timeout=300)
+        out = (tmp_path / "readme.log").read_text(errors="replace")
+        assert rc == 0, out[-4000:]
+        assert "done: 3 rounds" in out
+        ledgers = sorted(app.rglob("gaussdp-digits-ledger.db"))
+        assert len(ledgers) == 1, ledgers
+        keys = [r.idempotency_key for r in Ledger(f"sqlite:///{ledgers[0]}").history("digits")]
+        assert keys == ["digits#round=1", "digits#round=2", "digits#round=3"]
+        spent = Ledger(f"sqlite:///{ledgers[0]}").spent("digits").epsilon
+        assert spent == pytest.approx(_accountant_epsilon(3), rel=1e-12)
+    finally:
+        for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
+            for pid, _ in _marked(token):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + wait_s
+            while _marked(token) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        proc.poll()
+    assert _marked(token) == []

@@ -161,7 +161,7 @@ def test_calibrated_settings_cannot_be_reassigned(tiny_gpt2):
         ("clip_norm", 10.0),
         ("sigma", 0.1),
         ("noise_multiplier", 0.1),
-        ("neighbouring", "add-remove"),
+        ("neighbouring", "add_remove"),
     ]:
         with pytest.raises(AttributeError, match="fixed"):
             setattr(priv, name, value)

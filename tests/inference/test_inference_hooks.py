@@ -195,6 +195,12 @@ def test_parameter_validation(tiny_gpt2):
         HiddenStatePrivatizer(tiny_gpt2, clip_norm=1.0)
     with pytest.raises(InvalidParameter, match="sigma"):
         HiddenStatePrivatizer(tiny_gpt2, clip_norm=1.0, sigma=0.0)
+    # a noise multiplier outside what the accountants certify is refused before any release
+    with pytest.raises(InvalidParameter, match=r"sigma=1e-05.*clip_norm=1\.0"):
+        HiddenStatePrivatizer(tiny_gpt2, clip_norm=1.0, sigma=1e-5)
+    with pytest.raises(InvalidParameter, match=r"sigma=10000000000000\.0"):
+        HiddenStatePrivatizer(tiny_gpt2, clip_norm=1.0, sigma=1e13)  # above 2e12
+    HiddenStatePrivatizer(tiny_gpt2, clip_norm=1.0, sigma=2e-4)  # the smallest accepted (sensitivity 2)
     with pytest.raises(InvalidParameter, match="delta"):
         HiddenStatePrivatizer(tiny_gpt2, clip_norm=1.0, epsilon=1.0)
     with pytest.raises(InvalidParameter, match="clip_norm"):
@@ -214,7 +220,7 @@ def test_calibration_follows_the_stated_relation():
     assert replace.noise_multiplier == pytest.approx(replace.sigma / 2.0)
     assert replace.epsilon_per_row <= 1.0 + 1e-9
     addrm = HiddenStatePrivatizer(
-        None, nn.Linear(2, 2), clip_norm=1.0, sigma=4.8448, delta=1e-5, neighbouring="add-remove"
+        None, nn.Linear(2, 2), clip_norm=1.0, sigma=4.8448, delta=1e-5, neighbouring="add_remove"
     )
     # document 000's sigma at Delta_f = C = 1 really buys epsilon 0.751 per row (not 1.0) ...
     assert addrm.epsilon_per_row == pytest.approx(epsilon_for(sigma=4.8448, delta=1e-5), rel=1e-9)

@@ -61,7 +61,7 @@ def test_split_mode_through_the_service(service, tiny_gpt2):
         body = r.json()
         # the service calibrates for sensitivity 2 * clip_norm (replace-one, the default relation for
         # hidden states, as the privatizer's), analytically
-        assert body["neighbouring"] == "replace"
+        assert body["neighbouring"] == "replace_one"
         assert body["sigma"] == pytest.approx(sigma_for(epsilon=1.0, delta=1e-5, sensitivity=0.2))
         noised = np.asarray(body["noised"])
         delta = server_lora_delta(noised, A, B, 0.5)

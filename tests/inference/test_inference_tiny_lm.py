@@ -83,12 +83,12 @@ def test_inference_report_with_a_trained_model_and_a_prompts_file(trained, tmp_p
             "--prompts", str(prompts),
             "--epsilons", "1,1000",
             "--clip-norms", "5",
-            "--neighbouring", "add-remove",
+            "--neighbouring", "add_remove",
             "--out", str(png),
         ],
         terminal_width=200,
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "3 x <= 32 tokens of real text from " + str(prompts) in result.output.replace("\n", "")
-    assert "UNTRAINED" not in result.output and "add-remove" in result.output
+    assert "UNTRAINED" not in result.output and "add_remove" in result.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

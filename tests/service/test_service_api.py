@@ -117,7 +117,7 @@ def test_hidden_state_split_mode(service, client) -> None:  # type: ignore[no-un
     out = r.json()
     assert len(out["noised"]) == 1536
     # analytic, not 4.8448; replace-one (the default relation for hidden states): sensitivity 2C
-    assert (out["neighbouring"], out["sensitivity"]) == ("replace", 2.0)
+    assert (out["neighbouring"], out["sensitivity"]) == ("replace_one", 2.0)
     assert out["sigma"] == pytest.approx(sigma_for(epsilon=1.0, delta=1e-5, sensitivity=2.0))
     assert out["budget_ok"] is True and 0 < out["epsilon_spent"] <= 10.0
     # The state was clipped to norm 1 before noise: the output is noise-dominated, not h.

@@ -46,7 +46,7 @@ hidden_body = st.one_of(
             "clip_norm": st.sampled_from(SENSITIVITY),
         }
     ),
-).flatmap(lambda b: st.sampled_from(["replace", "add-remove"]).map(lambda n: {**b, "neighbouring": n}))
+).flatmap(lambda b: st.sampled_from(["replace_one", "add_remove"]).map(lambda n: {**b, "neighbouring": n}))
 
 
 def _timed(client, method: str, url: str, **kwargs):  # type: ignore[no-untyped-def]

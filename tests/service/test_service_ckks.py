@@ -106,7 +106,7 @@ def test_upload_then_encrypted_delta_decrypts_to_the_plaintext_delta(service, ap
     np.testing.assert_allclose(ref, SCALING * h @ A.T @ B.T, rtol=1e-12)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) <= 1e-4
     # charged exactly as /lora-delta charges the same declaration: one event of 3 rows, once
-    assert body["rows"] == 3 and body["d_out"] == D_OUT and body["neighbouring"] == "replace"
+    assert body["rows"] == 3 and body["d_out"] == D_OUT and body["neighbouring"] == "replace_one"
     assert body["sensitivity"] == 2 * CLIP and body["noise_multiplier"] == SIGMA / (2 * CLIP)
     assert body["spent"] == plain["spent"]
     expected = accountant("pld").compose(SelfComposedEvent(GaussianEvent(noise_multiplier=SIGMA / 2), 3))

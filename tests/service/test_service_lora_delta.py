@@ -62,7 +62,7 @@ def test_delta_is_scaling_B_A_h_per_row_and_charged(service, lora_client, lora) 
     np.testing.assert_allclose(np.asarray(out["delta"]), expected, rtol=1e-12, atol=1e-12)
     assert (out["rows"], out["d_out"], out["adapter"]) == (3, D_OUT, "ad")
     # default relation: replace, sensitivity 2C (as gaussdp.inference's privatizer)
-    assert out["neighbouring"] == "replace" and out["sensitivity"] == 2 * CLIP
+    assert out["neighbouring"] == "replace_one" and out["sensitivity"] == 2 * CLIP
     assert out["noise_multiplier"] == SIGMA / (2 * CLIP)
     hist = service.ledger.history(f"tenant-a/{sid}")
     assert len(hist) == 1 and hist[0].charge_id == out["charge_id"]
@@ -79,7 +79,7 @@ def test_delta_is_scaling_B_A_h_per_row_and_charged(service, lora_client, lora) 
             "noised_b64": raw,
             "clip_norm": CLIP,
             "sigma": SIGMA,
-            "neighbouring": "add-remove",
+            "neighbouring": "add_remove",
         },
         headers=service.headers(service.key_a),
     )
@@ -206,16 +206,16 @@ def test_hidden_state_names_its_neighbouring_relation(service, client) -> None: 
     )
     assert r.status_code == 200, r.text
     out = r.json()  # the default of every hidden-state surface: replace-one, sensitivity 2 * clip_norm
-    assert (out["neighbouring"], out["sensitivity"]) == ("replace", 1.0)
+    assert (out["neighbouring"], out["sensitivity"]) == ("replace_one", 1.0)
     assert out["sigma"] == pytest.approx(sigma_for(epsilon=1.0, delta=1e-5, sensitivity=1.0), rel=1e-5)
     r = client.post(
         f"/v1/sessions/{sid}/hidden-state",
-        json={"hidden_state": x.tolist(), "clip_norm": 0.5, "neighbouring": "add-remove"},
+        json={"hidden_state": x.tolist(), "clip_norm": 0.5, "neighbouring": "add_remove"},
         headers=h,
     )
     assert r.status_code == 200, r.text
     out = r.json()
-    assert (out["neighbouring"], out["sensitivity"]) == ("add-remove", 0.5)
+    assert (out["neighbouring"], out["sensitivity"]) == ("add_remove", 0.5)
     assert out["sigma"] == pytest.approx(sigma_for(epsilon=1.0, delta=1e-5, sensitivity=0.5), rel=1e-5)
     # replace costs twice the noise for the same epsilon: both charges are for (1, 1e-5) per request
     events = [c.event for c in service.ledger.history(f"tenant-a/{sid}")]

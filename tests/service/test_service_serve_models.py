@@ -93,7 +93,7 @@ def test_serve_loads_a_model_and_serves_a_peft_adapter(saved, tmp_path, monkeypa
     assert module.scaling["default"] == 2.0
     np.testing.assert_allclose(np.asarray(out["delta"]), expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(out["delta"]), 2.0 * x @ a.T @ b.T, rtol=1e-9)
-    assert out["neighbouring"] == "replace"
+    assert out["neighbouring"] == "replace_one"
 
 
 def test_serve_refuses_what_is_not_a_local_directory(saved, tmp_path, monkeypatch):

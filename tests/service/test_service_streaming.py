@@ -46,7 +46,7 @@ def _open(served, sid: str, **start):  # type: ignore[no-untyped-def]
 def test_stream_until_refusal_every_token_received_was_charged_once(served_lm) -> None:  # type: ignore[no-untyped-def]
     sid = _session(served_lm, epsilon=3.0)
     ws, start = _open(served_lm, sid, max_new_tokens=256)
-    assert start["prompt_tokens"] == 3 and start["sigma"] == 16.0 and start["neighbouring"] == "replace"
+    assert start["prompt_tokens"] == 3 and start["sigma"] == 16.0 and start["neighbouring"] == "replace_one"
     tokens = []
     while True:
         m = json.loads(ws.recv(timeout=30))

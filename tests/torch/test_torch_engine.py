@@ -310,7 +310,7 @@ def test_zero_grad_discards_accumulated_sums():
             module=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
             data_loader=DataLoader(TensorDataset(torch.cat([xa, xb])), batch_size=8),
-            noise_multiplier=1e-4,  # the smallest accepted: std 1.25e-4 here
+            noise_multiplier=2e-4,  # the smallest accepted for fixed batches: std 2.5e-4 here
             max_grad_norm=10.0,
             poisson_sampling=False,
         )
@@ -326,7 +326,7 @@ def test_zero_grad_discards_accumulated_sums():
     ref(xb).sum().div(8).backward()  # unclipped: every per-sample norm here is below 10
     assert float(opt.clipper.last_norms.max()) < 10.0
     for p, r, s0 in zip(model.parameters(), ref.parameters(), start, strict=True):
-        torch.testing.assert_close(s0 - p.detach(), r.grad, rtol=1e-5, atol=1e-3)  # xa would move it by ~1
+        torch.testing.assert_close(s0 - p.detach(), r.grad, rtol=1e-5, atol=2e-3)  # xa would move it by ~1
 
 
 def test_trainable_parameters_missing_from_optimizer_refused():
@@ -683,3 +683,35 @@ def test_sparse_embedding_trains_with_a_dense_noisy_gradient():
         opt.step()
     assert engine.steps == 4 and not model[0].weight.grad.is_sparse
     assert (model[0].weight != before).all()  # every row noised, used or not
+
+
+@pytest.mark.parametrize(
+    ("poisson", "sigma", "accepted"),
+    [
+        (True, 1e-4, True),
+        (True, 9.9e-5, False),
+        (False, 2e-4, True),
+        (False, 1.9e-4, False),
+        (True, 1.1e12, False),
+    ],
+)
+def test_noise_multiplier_outside_the_certified_domain_is_refused_at_make_private(poisson, sigma, accepted):
+    """Poisson steps are charged at sigma, fixed-batch passes at sigma / 2: below 1e-4 (or above
+    1e12) there, no accountant certifies a bound, and make_private says so before training starts."""
+    model = nn.Linear(6, 3)
+
+    def make():
+        return PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_data(16), batch_size=4),
+            noise_multiplier=sigma,
+            max_grad_norm=1.0,
+            poisson_sampling=poisson,
+        )
+
+    if accepted:
+        make()
+    else:
+        with pytest.raises(InvalidParameter, match="noise_multiplier must be 0 or in"):
+            make()

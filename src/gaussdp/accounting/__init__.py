@@ -8,6 +8,7 @@ upper bounds on the true epsilon(delta).
 
 from __future__ import annotations
 
+from gaussdp._neighbouring import Neighbouring
 from gaussdp.accounting._dp_accounting import from_dp_event, to_dp_event
 from gaussdp.accounting._schedule import (
     banded_matrix_factorization_event,
@@ -16,23 +17,8 @@ from gaussdp.accounting._schedule import (
     tree_aggregation_event,
 )
 from gaussdp.accounting.advanced import AdvancedComposition
-from gaussdp.accounting.base import (
-    Accountant,
-    UnsupportedEvent,
-    accountant,
-    available_accountants,
-    upper_bound_accountant,
-)
+from gaussdp.accounting.base import Accountant, UnsupportedEvent
 from gaussdp.accounting.basic import BasicComposition
-from gaussdp.accounting.documents import (
-    PrivacyBudget,
-    PrivacyParams,
-    advanced_composition_epsilon,
-    basic_composition_epsilon,
-    compute_delta_from_epsilon,
-    compute_epsilon_from_delta,
-    estimate_noise_scale,
-)
 from gaussdp.accounting.events import (
     ComposedEvent,
     DiscreteGaussianEvent,
@@ -53,6 +39,16 @@ from gaussdp.accounting.gdp import GDPAccountant
 from gaussdp.accounting.inverse import noise_for_epsilon
 from gaussdp.accounting.pld import PLDAccountant
 from gaussdp.accounting.rdp import RDPAccountant
+from gaussdp.accounting.registry import accountant, available_accountants
+from gaussdp.accounting.run_budget import (
+    PrivacyBudget,
+    PrivacyParams,
+    advanced_composition_epsilon,
+    basic_composition_epsilon,
+    compute_delta_from_epsilon,
+    compute_epsilon_from_delta,
+    estimate_noise_scale,
+)
 
 __all__ = [
     "Accountant",
@@ -66,6 +62,7 @@ __all__ = [
     "GDPAccountant",
     "GaussianEvent",
     "LaplaceEvent",
+    "Neighbouring",
     "PLDAccountant",
     "PrivacyBudget",
     "PrivacyLossDistributionEvent",
@@ -92,25 +89,4 @@ __all__ = [
     "scale_noise",
     "to_dp_event",
     "tree_aggregation_event",
-    "upper_bound_accountant",
 ]
-
-# The ledger-backed trackers moved up to the budget layer (they use the ledger, which sits above
-# accounting); the old names still resolve, lazily, with a DeprecationWarning.
-_MOVED_TO_BUDGET = frozenset(
-    {"BudgetState", "PrivacyAccountant", "PrivacyBudgetTracker", "PrivacyExpenditure"}
-)
-
-
-def __getattr__(name: str) -> object:
-    if name in _MOVED_TO_BUDGET:
-        import importlib
-        import warnings
-
-        warnings.warn(
-            f"gaussdp.accounting.{name} moved to gaussdp.budget.{name}; import it from there",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module("gaussdp.budget.trackers"), name)
-    raise AttributeError(f"module 'gaussdp.accounting' has no attribute {name!r}")

@@ -27,10 +27,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from gaussdp._neighbouring import Neighbouring, check_neighbouring
 from gaussdp.accounting.base import UnsupportedEvent
 from gaussdp.accounting.events import (
-    ADD_REMOVE,
-    REPLACE_ONE,
     ComposedEvent,
     Event,
     FixedBatchGaussianEvent,
@@ -41,7 +40,6 @@ from gaussdp.accounting.events import (
     SubsampledGaussianEvent,
     neighboring_relation_of,
 )
-from gaussdp.errors import InvalidParameter
 
 __all__ = ["from_dp_event", "to_dp_event"]
 
@@ -57,22 +55,13 @@ def _dp_event_module() -> Any:
     return dp_event
 
 
-def _check_relation(neighboring_relation: str) -> str:
-    if neighboring_relation not in (ADD_REMOVE, REPLACE_ONE):
-        raise InvalidParameter(
-            f"neighboring_relation must be {ADD_REMOVE!r} or {REPLACE_ONE!r}, "
-            f"got neighboring_relation={neighboring_relation!r}"
-        )
-    return neighboring_relation
-
-
 def _gaussian_multiplier(de: Any, event: Any) -> float:
     if not isinstance(event, de.GaussianDpEvent):
         raise UnsupportedEvent(f"only a GaussianDpEvent can be sampled here, got {event!r}")
     return float(event.noise_multiplier)
 
 
-def from_dp_event(event: Any, *, neighboring_relation: str = ADD_REMOVE) -> Event:
+def from_dp_event(event: Any, *, neighboring_relation: str = Neighbouring.ADD_REMOVE) -> Event:
     """The gaussdp event equivalent to a dp_accounting ``DpEvent`` tree under ``neighboring_relation``.
 
     >>> from dp_accounting import dp_event
@@ -84,7 +73,7 @@ def from_dp_event(event: Any, *, neighboring_relation: str = ADD_REMOVE) -> Even
             that relation; InvalidParameter: a bad relation or parameter (e.g. zero noise).
     """
     de = _dp_event_module()
-    rel = _check_relation(neighboring_relation)
+    rel = check_neighbouring(neighboring_relation, "neighboring_relation")
 
     def conv(e: Any) -> Event:
         if isinstance(e, de.NoOpDpEvent):
@@ -95,19 +84,19 @@ def from_dp_event(event: Any, *, neighboring_relation: str = ADD_REMOVE) -> Even
             return ComposedEvent(tuple(conv(x) for x in e.events))
         if isinstance(e, de.GaussianDpEvent):
             s = float(e.noise_multiplier)
-            return GaussianEvent(s if rel == ADD_REMOVE else s / 2.0)
+            return GaussianEvent(s if rel == Neighbouring.ADD_REMOVE else s / 2.0)
         if isinstance(e, de.LaplaceDpEvent):
-            if rel != ADD_REMOVE:
+            if rel != Neighbouring.ADD_REMOVE:
                 raise UnsupportedEvent("dp_accounting accounts LaplaceDpEvent under add/remove only")
             return LaplaceEvent(scale=float(e.noise_multiplier))
         if isinstance(e, de.PoissonSampledDpEvent):
             s = _gaussian_multiplier(de, e.event)
             q = float(e.sampling_probability)
-            if rel == ADD_REMOVE:
+            if rel == Neighbouring.ADD_REMOVE:
                 return SubsampledGaussianEvent(s, q)
             return ReplaceOneSubsampledGaussianEvent(s, q)
         if isinstance(e, de.SampledWithoutReplacementDpEvent):
-            if rel != REPLACE_ONE:
+            if rel != Neighbouring.REPLACE_ONE:
                 raise UnsupportedEvent("SampledWithoutReplacementDpEvent is accounted under replace-one only")
             s = _gaussian_multiplier(de, e.event)
             return FixedBatchGaussianEvent(2.0 * s, e.sample_size, e.source_dataset_size)
@@ -129,7 +118,7 @@ def to_dp_event(event: Event) -> Any:
         UnsupportedEvent: a leaf dp_accounting has no event for.
     """
     de = _dp_event_module()
-    rel = neighboring_relation_of(event) or ADD_REMOVE
+    rel = neighboring_relation_of(event) or Neighbouring.ADD_REMOVE
 
     def conv(e: Event) -> Any:
         if isinstance(e, SelfComposedEvent):
@@ -137,7 +126,9 @@ def to_dp_event(event: Event) -> Any:
         if isinstance(e, ComposedEvent):
             return de.ComposedDpEvent([conv(x) for x in e.events]) if e.events else de.NoOpDpEvent()
         if isinstance(e, GaussianEvent):
-            return de.GaussianDpEvent(e.noise_multiplier if rel == ADD_REMOVE else 2.0 * e.noise_multiplier)
+            return de.GaussianDpEvent(
+                e.noise_multiplier if rel == Neighbouring.ADD_REMOVE else 2.0 * e.noise_multiplier
+            )
         if isinstance(e, SubsampledGaussianEvent | ReplaceOneSubsampledGaussianEvent):
             return de.PoissonSampledDpEvent(e.sample_rate, de.GaussianDpEvent(e.noise_multiplier))
         if isinstance(e, FixedBatchGaussianEvent):
@@ -145,7 +136,7 @@ def to_dp_event(event: Event) -> Any:
                 e.dataset_size, e.batch_size, de.GaussianDpEvent(e.noise_multiplier / 2.0)
             )
         if isinstance(e, LaplaceEvent):
-            if rel != ADD_REMOVE:
+            if rel != Neighbouring.ADD_REMOVE:
                 raise UnsupportedEvent("dp_accounting accounts LaplaceDpEvent under add/remove only")
             return de.LaplaceDpEvent(e.scale / e.sensitivity)
         raise UnsupportedEvent(f"dp_accounting has no event for {e!r}")

@@ -28,7 +28,6 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from gaussdp._validate import check_delta, check_epsilon, check_positive
-from gaussdp.accounting.base import upper_bound_accountant
 from gaussdp.accounting.events import (
     ComposedEvent,
     DiscreteGaussianEvent,
@@ -42,6 +41,7 @@ from gaussdp.accounting.events import (
     check_count,
 )
 from gaussdp.accounting.inverse import smallest_noise
+from gaussdp.accounting.registry import accountant as make_accountant
 from gaussdp.errors import InvalidParameter
 
 __all__ = [
@@ -101,13 +101,11 @@ def noise_scale_for_schedule(
     """
     target = check_epsilon(target_epsilon, "target_epsilon")
     delta = check_delta(delta)
-    upper_bound_accountant(accountant, **options).compose(schedule)  # validates name, options, tree
+    make_accountant(accountant, **options).compose(schedule)  # validates name, options, tree
 
     def eps_of(c: float) -> float:
         try:
-            return (
-                upper_bound_accountant(accountant, **options).compose(scale_noise(schedule, c)).epsilon(delta)
-            )
+            return make_accountant(accountant, **options).compose(scale_noise(schedule, c)).epsilon(delta)
         except InvalidParameter:
             return math.inf
 

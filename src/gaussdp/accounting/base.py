@@ -1,4 +1,5 @@
-"""The accountant interface every backend implements, and the ``accountant(name)`` factory.
+"""The accountant interface every backend implements (the ``accountant(name)`` factory is in
+:mod:`gaussdp.accounting.registry`).
 
 An accountant turns the events composed into it into a privacy profile: ``epsilon(delta)`` and
 ``delta(epsilon)``, always an upper bound on the true one (never below it), under the neighbouring
@@ -16,17 +17,17 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import TYPE_CHECKING, ClassVar, Self
 
 import numpy as np
 
 from gaussdp._lazy import lazy_module
+from gaussdp._neighbouring import Neighbouring
 from gaussdp._validate import check_delta, real_number
 from gaussdp.accounting.events import (
     EpsilonDeltaEvent,
     Event,
     GaussianEvent,
-    SubsampledGaussianEvent,
     check_count,
     flatten_event,
     neighboring_relation_of,
@@ -41,8 +42,6 @@ else:
 __all__ = [
     "Accountant",
     "UnsupportedEvent",
-    "accountant",
-    "available_accountants",
 ]
 
 # Larger epsilons are refused with a clear error rather than reported as inf or garbage.
@@ -69,10 +68,10 @@ class Accountant(abc.ABC):
         self._counts: dict[Event, int] = {}
         self._history: list[tuple[Event, int]] = []
         self._cache: dict[tuple[str, float], float] = {}
-        self._relation: str | None = None
+        self._relation: Neighbouring | None = None
 
     @property
-    def neighboring_relation(self) -> str | None:
+    def neighboring_relation(self) -> Neighbouring | None:
         """``"add_remove"`` or ``"replace_one"`` once an event fixing it is composed, else ``None``."""
         return self._relation
 
@@ -265,72 +264,6 @@ def invert_delta(
         eps += step
         step *= 2.0
     return eps
-
-
-def is_leaf_supported_by_mechanism(leaf: Event) -> bool:
-    """True for Gaussian and subsampled Gaussian leaves (the mechanisms with a known profile)."""
-    return isinstance(leaf, GaussianEvent | SubsampledGaussianEvent)
-
-
-def _registry() -> dict[str, type[Accountant]]:
-    # Imported here: the backends import this module.
-    from gaussdp.accounting.advanced import AdvancedComposition
-    from gaussdp.accounting.basic import BasicComposition
-    from gaussdp.accounting.gdp import GDPAccountant
-    from gaussdp.accounting.pld import PLDAccountant
-    from gaussdp.accounting.rdp import RDPAccountant
-
-    return {
-        "basic": BasicComposition,
-        "advanced": AdvancedComposition,
-        "rdp": RDPAccountant,
-        "pld": PLDAccountant,
-        "gdp": GDPAccountant,
-    }
-
-
-def available_accountants() -> tuple[str, ...]:
-    """Names accepted by :func:`accountant`: basic, advanced, rdp, pld (default, tightest), gdp."""
-    return tuple(_registry())
-
-
-def accountant(name: str = "pld", *, allow_approximate: bool = False, **options: Any) -> Accountant:
-    """A fresh accountant by name: ``"pld"`` (default, tightest), ``"rdp"``, ``"advanced"`` or ``"basic"``.
-
-    Every one of these returns upper bounds on epsilon(delta), so whatever calibrates noise, enforces a
-    budget or prints a guarantee from this factory prints a bound. ``"gdp"`` (central-limit
-    approximation, which can fall below the true epsilon) is refused unless ``allow_approximate=True``
-    is given by name: it is for plots and comparisons only, and says so (``approximate`` is True).
-
-    >>> from gaussdp.accounting import SubsampledGaussianEvent
-    >>> acc = accountant("rdp").compose(SubsampledGaussianEvent(1.1, 256 / 60000), count=14063)
-    >>> 2.4 < acc.epsilon(1e-5) < 2.7
-    True
-    >>> accountant("gdp")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    gaussdp.errors.InvalidParameter: accountant='gdp' is an approximation, not an upper bound: ...
-    >>> accountant("gdp", allow_approximate=True).approximate
-    True
-    """
-    if not isinstance(name, str):
-        raise TypeError(f"accountant name must be a string, got name={name!r}")
-    reg = _registry()
-    key = name.lower()
-    if key not in reg:
-        raise InvalidParameter(f"unknown accountant name={name!r}; choose one of {sorted(reg)}")
-    cls = reg[key]
-    if cls.approximate and allow_approximate is not True:
-        raise InvalidParameter(
-            f"accountant={name!r} is an approximation, not an upper bound: use 'pld', 'rdp', 'advanced' "
-            "or 'basic' (pass allow_approximate=True to get it for a plot or a comparison)"
-        )
-    return cls(**options)
-
-
-def upper_bound_accountant(name: str = "pld", **options: Any) -> Accountant:
-    """:func:`accountant`, which refuses approximations: kept as the name budgets and engines call."""
-    return accountant(name, **options)
 
 
 def fixed_leaves(counts: dict[Event, int]) -> list[tuple[EpsilonDeltaEvent, int]]:

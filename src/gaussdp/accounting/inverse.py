@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from gaussdp._lazy import lazy_module
 from gaussdp._validate import check_delta, check_epsilon, check_probability
-from gaussdp.accounting.base import accountant as make_accountant
 from gaussdp.accounting.events import Event, GaussianEvent, SubsampledGaussianEvent, check_count
+from gaussdp.accounting.registry import accountant as make_accountant
 from gaussdp.calibration import sigma_for
 from gaussdp.errors import InvalidParameter
 

@@ -19,7 +19,7 @@ from gaussdp.budget.store import (
     TenantLimitExceeded,
     UnknownPrincipal,
 )
-from gaussdp.budget.trackers import BudgetState, PrivacyAccountant, PrivacyBudgetTracker, PrivacyExpenditure
+from gaussdp.budget.trackers import BudgetState, PrivacyBudgetTracker, PrivacyExpenditure, PrivacyTracker
 from gaussdp.errors import BudgetExhausted
 
 __all__ = [
@@ -31,9 +31,9 @@ __all__ = [
     "Ledger",
     "LedgerContention",
     "PrincipalConflict",
-    "PrivacyAccountant",
     "PrivacyBudgetTracker",
     "PrivacyExpenditure",
+    "PrivacyTracker",
     "Receipt",
     "Release",
     "Spent",

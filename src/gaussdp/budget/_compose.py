@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gaussdp._worklimit import check_work_limit
+from gaussdp.accounting.events import event_json
 from gaussdp.errors import InvalidParameter, PrivacyError
 
 __all__ = ["MAX_COUNT", "Composer", "event_dict", "event_key", "within"]
@@ -54,7 +55,8 @@ _MAX_KEYS = 1024
 
 
 def event_key(event: Any) -> str:
-    """Canonical JSON of ``event.to_dict()``: equal events give equal keys (the store groups by it).
+    """Canonical JSON of ``event.to_dict()`` (:func:`~gaussdp.accounting.events.event_json`): equal
+    events give equal keys (the store groups by it).
 
     Remembered for the same event object when it cannot change (a frozen dataclass of scalars, as
     every Gaussian event is): a mechanism charged again and again is serialised once.
@@ -68,7 +70,7 @@ def event_key(event: Any) -> str:
             f"event must be a gaussdp.accounting event with to_dict(), got event={event!r} "
             f"({type(event).__name__})"
         )
-    key = json.dumps(to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    key = event_json(to_dict())
     params = getattr(event, "__dataclass_params__", None)
     fields = getattr(event, "__dict__", None)
     frozen = params is not None and params.frozen
@@ -119,12 +121,12 @@ class Composer:
     def check_accountant(name: str) -> None:
         """Refuse an accountant name the accounting layer does not know, or one whose epsilon is an
         approximation (a budget it enforces would be no bound), naming the argument."""
-        from gaussdp.accounting import upper_bound_accountant
+        from gaussdp.accounting import accountant as make_accountant
 
         if not isinstance(name, str):
             raise TypeError(f"accountant must be a str, got accountant={name!r}")
         try:
-            upper_bound_accountant(name)
+            make_accountant(name)
         except PrivacyError:
             raise
         except (KeyError, ValueError) as exc:
@@ -138,12 +140,12 @@ class Composer:
 
     def _epsilon(self, accountant_name: str, delta: float, history: History) -> float:
         """Composed epsilon at ``delta`` of ``history``; ``inf`` when the accountant has no finite bound."""
-        from gaussdp.accounting import accountant
+        from gaussdp.accounting import accountant as make_accountant
 
         if not history:
             return 0.0
         check_work_limit()
-        acc = accountant(accountant_name)
+        acc = make_accountant(accountant_name)
         for key, count in history:
             acc.compose(self._event(key), count)
         try:

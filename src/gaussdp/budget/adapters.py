@@ -2,7 +2,7 @@
 
 The private inference server's ``PrivacyBudgetTracker``
 (``consume(epsilon, session_id) -> (ok, state)``) and the federated anomaly detector's
-``PrivacyAccountant`` (``record_expenditure(epsilon, delta, round_num)``) keep spends in a Python
+``PrivacyTracker`` (``record_expenditure(epsilon, delta, round_num)``) keep spends in a Python
 list. :class:`SessionLedger` gives them one budget per session on a durable
 :class:`~gaussdp.budget.Ledger` instead: charges are atomic across threads and processes, survive
 restarts, and refuse (``policy="refuse"``) instead of warning after the fact.

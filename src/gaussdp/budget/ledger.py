@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import warnings
 from collections.abc import Mapping
@@ -12,6 +11,7 @@ from typing import Any, Literal
 from gaussdp._format import format_exact, format_upper
 from gaussdp._validate import check_choice
 from gaussdp._worklimit import no_cpu_limit
+from gaussdp.accounting.events import event_json
 from gaussdp.budget._compose import Composer, event_dict, event_key, within
 from gaussdp.budget._sketch import LinearSketch, LivePLD
 from gaussdp.budget._types import Budget, ChargeRecord, Receipt, Release, Spent
@@ -512,7 +512,7 @@ class Ledger:
         if receipt.replayed or receipt.composed is None:
             return 0.0
         row = self._row(receipt.principal)
-        key = json.dumps(receipt.event, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        key = event_json(receipt.event)
         before = tuple((k, c - 1 if k == key else c) for k, c in receipt.composed if k != key or c > 1)
         after_eps = self._composer.epsilon(row.accountant, row.delta, receipt.composed)
         before_eps = self._composer.epsilon(row.accountant, row.delta, before) if before else 0.0

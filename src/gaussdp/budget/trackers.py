@@ -1,6 +1,6 @@
 """The ledger-backed privacy trackers of the federated anomaly detector and the inference server.
 
-* The federated anomaly detector: :class:`PrivacyAccountant`, basic composition by default as documented, with
+* The federated anomaly detector: :class:`PrivacyTracker`, basic composition by default as documented, with
   an ``accountant=`` option for tighter totals.
 * The private inference server: :class:`PrivacyBudgetTracker`, per-session advanced composition; it
   refuses a spend that would exceed the budget (the original design only warned; ``policy="warn"``
@@ -31,19 +31,18 @@ from gaussdp._validate import (
     real_number,
 )
 from gaussdp.accounting.advanced import advanced_bound
-from gaussdp.accounting.base import accountant as make_accountant
-from gaussdp.accounting.base import upper_bound_accountant
 from gaussdp.accounting.events import (
     EpsilonDeltaEvent,
     Event,
 )
+from gaussdp.accounting.registry import accountant as make_accountant
 from gaussdp.budget._types import Budget
 from gaussdp.budget.adapters import SessionLedger
 from gaussdp.budget.ledger import Ledger
 from gaussdp.budget.store import UnknownPrincipal
 from gaussdp.errors import InvalidParameter, PrivacyError, PrivacyWarning
 
-__all__ = ["BudgetState", "PrivacyAccountant", "PrivacyBudgetTracker", "PrivacyExpenditure"]
+__all__ = ["BudgetState", "PrivacyBudgetTracker", "PrivacyExpenditure", "PrivacyTracker"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +94,7 @@ class PrivacyExpenditure:
         return out
 
 
-class PrivacyAccountant:
+class PrivacyTracker:
     """Records privacy spends and totals them: basic composition by default, as documented.
 
     ``get_total_privacy(accountant="pld")`` composes the same spends with a tighter accountant: a
@@ -126,7 +125,7 @@ class PrivacyAccountant:
         gaussdp.budget.PrincipalConflict: ``principal`` is open on the ledger with another budget or
             accountant.
 
-    >>> acc = PrivacyAccountant(target_epsilon=5.0)
+    >>> acc = PrivacyTracker(target_epsilon=5.0)
     >>> acc.record_expenditure(epsilon=1.0, delta=1e-5, round_num=1)
     >>> acc.record_expenditure(epsilon=1.0, delta=1e-5, round_num=2)
     >>> acc.get_total_privacy(), acc.check_budget(), acc.get_remaining_budget()
@@ -146,7 +145,7 @@ class PrivacyAccountant:
             None if target_epsilon is None else check_epsilon(target_epsilon, "target_epsilon")
         )
         self.target_delta = None if target_delta is None else check_delta(target_delta, "target_delta")
-        upper_bound_accountant(accountant)  # validate the name; totals must be upper bounds
+        make_accountant(accountant)  # validate the name; totals must be upper bounds
         self.accountant_name = accountant
         self.expenditures: list[PrivacyExpenditure] = []
         self.ledger: Any = None
@@ -260,7 +259,7 @@ class PrivacyAccountant:
         name = accountant or self.accountant_name
         if name == "basic" or total_delta <= 0.0 or total_delta >= 1.0:
             return (basic_eps, total_delta)
-        acc = upper_bound_accountant(name)
+        acc = make_accountant(name)
         for e in self.expenditures:
             acc.compose(e.event if e.event is not None else EpsilonDeltaEvent(e.epsilon, e.delta))
         return (min(basic_eps, acc.epsilon(total_delta)), total_delta)
@@ -272,7 +271,7 @@ class PrivacyAccountant:
         name = accountant or self.accountant_name
         if name == self.ledger.accountant(self.principal):
             return (float(spent.epsilon), float(spent.delta))
-        acc = upper_bound_accountant(name)
+        acc = make_accountant(name)
         for ev, count in self.ledger.events(self.principal):
             acc.compose(ev, count)
         return (min(float(spent.epsilon), acc.epsilon(spent.delta)), float(spent.delta))

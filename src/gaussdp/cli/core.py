@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -87,15 +88,40 @@ def calibrate(
         )
 
 
+class Engine(StrEnum):
+    local = "local"
+    ray = "ray"
+
+
 def sanitize(
-    in_path: Path = typer.Argument(..., help="Input .npy: 2-D float32/float64, one row per individual."),
-    out_path: Path = typer.Argument(..., help="Output .npy (written atomically; nothing on error)."),
+    in_path: str = typer.Argument(
+        ...,
+        help="Input: a .npy (2-D float32/float64, one row per individual) or a Parquet table "
+        "(.parquet, a local path or an fsspec URL; with --column).",
+    ),
+    out_path: str = typer.Argument(
+        ...,
+        help="Output .npy or .parquet (written atomically; nothing on error); a directory for --engine ray.",
+    ),
     epsilon: float = typer.Option(..., help="Per-individual epsilon of this release, > 0."),
     delta: float = typer.Option(..., help="Per-individual delta of this release, in (0, 1)."),
     clip_norm: float = typer.Option(..., help="L2 bound of each row (the sensitivity), > 0."),
-    chunk_rows: int | None = typer.Option(None, help="Rows per chunk (default: about 16 MiB of input)."),
+    column: str | None = typer.Option(None, help="Parquet: the embedding column (list of floats)."),
+    engine: Engine = typer.Option(Engine.local, help="Parquet: 'local' (one process) or 'ray'."),
+    address: str | None = typer.Option(None, help="--engine ray: the cluster's address (default: auto)."),
+    ledger: str | None = typer.Option(
+        None, "--ledger", help="Charge this durable ledger (sqlite:///x.db, postgresql://...) first."
+    ),
+    session: str | None = typer.Option(None, "--session", help="--ledger: the principal charged."),
+    budget_epsilon: float | None = typer.Option(
+        None, help="--ledger: open --session with this budget epsilon (when not open yet)."
+    ),
+    budget_delta: float | None = typer.Option(None, help="--ledger: the budget delta to open with."),
+    chunk_rows: int | None = typer.Option(
+        None, help="Rows per chunk or batch (default: about 16 MiB of input)."
+    ),
     noise: NoiseKind = typer.Option(NoiseKind.secure, help="'secure' (floating-point safe) or 'fast'."),
-    seed: int | None = typer.Option(None, help="Reproducible noise: the output is NOT private."),
+    seed: int | None = typer.Option(None, help=".npy only: reproducible noise, the output is NOT private."),
     workers: int | None = typer.Option(None, help="Threads clipping and noising chunks (default: up to 2)."),
     json_output: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
@@ -103,24 +129,33 @@ def sanitize(
 
     Streams the file in chunks (memory bounded by the chunk, not the file) and prints the true
     epsilon of the release: per individual (one row), under add/remove of a row (sensitivity
-    clip_norm) and under replacement of a row (sensitivity 2 * clip_norm).
+    clip_norm) and under replacement of a row (sensitivity 2 * clip_norm). A Parquet table keeps its
+    other columns; --engine ray runs the same release on a Ray cluster. With --ledger/--session the
+    release is charged to the ledger before anything is written.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from gaussdp._format import format_exact, format_upper
     from gaussdp.cli._output import make_console
+    from gaussdp.cli.tables import is_table, ledger_charge, sanitize_table
     from gaussdp.embeddings import sanitize_npy
-    from gaussdp.errors import PrivacyError
+    from gaussdp.errors import BudgetExhausted, PrivacyError
 
     console = make_console(stderr=False)
     err = make_console(stderr=True)
+    table = is_table(in_path, column, engine.value)
     rows = None
     try:
-        import numpy as np
+        if table:
+            import pyarrow.parquet as pq
 
-        if in_path.is_file():
-            rows = int(np.load(in_path, mmap_mode="r", allow_pickle=False).shape[0])
-    except Exception:  # sanitize_npy reports the real problem below
+            rows = pq.read_metadata(in_path).num_rows if os.path.isfile(in_path) else None
+        else:
+            import numpy as np
+
+            if os.path.isfile(in_path):
+                rows = int(np.load(in_path, mmap_mode="r", allow_pickle=False).shape[0])
+    except Exception:  # the sanitize call reports the real problem below
         rows = None
     progress = Progress(
         TextColumn("[bold]sanitize"),
@@ -131,25 +166,55 @@ def sanitize(
         console=err,
         transient=True,
     )
+    charge, opened = None, None
     try:
+        charge, opened = ledger_charge(ledger, session, budget_epsilon, budget_delta)
         with progress:
             task = progress.add_task("sanitize", total=rows)
-            report = sanitize_npy(
-                in_path,
-                out_path,
-                epsilon=epsilon,
-                delta=delta,
-                clip_norm=clip_norm,
-                chunk_rows=chunk_rows,
-                noise=noise.value,
-                seed=seed,
-                progress=lambda n: progress.advance(task, n),
-                workers=workers,
-            )
+            if table:
+                if seed is not None:
+                    raise PrivacyError("--seed is for .npy inputs (table noise is always from OS entropy)")
+                report: Any = sanitize_table(
+                    in_path=in_path,
+                    out_path=out_path,
+                    column=column,
+                    engine=engine.value,
+                    address=address,
+                    epsilon=epsilon,
+                    delta=delta,
+                    clip_norm=clip_norm,
+                    noise=noise.value,
+                    batch_rows=chunk_rows,
+                    workers=workers,
+                    charge=charge,
+                    progress=lambda n: progress.advance(task, n),
+                )
+            else:
+                report = sanitize_npy(
+                    in_path,
+                    out_path,
+                    epsilon=epsilon,
+                    delta=delta,
+                    clip_norm=clip_norm,
+                    chunk_rows=chunk_rows,
+                    noise=noise.value,
+                    seed=seed,
+                    progress=lambda n: progress.advance(task, n),
+                    workers=workers,
+                    charge=charge,
+                )
+    except BudgetExhausted:
+        raise  # exit 3, from the command guard
     except (PrivacyError, TypeError, OSError) as exc:
         err.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         err.print(f"nothing was written to {out_path}", soft_wrap=True)
         raise typer.Exit(2) from None
+    finally:
+        if opened is not None:
+            opened.close()
+    if table:
+        _print_table_report(report, json_output, console)
+        return
     if json_output:
         from gaussdp.cli._output import emit_json
 
@@ -169,6 +234,7 @@ def sanitize(
                 "epsilon": report.epsilon,
                 "epsilon_replace": report.epsilon_replace,
                 "private": report.private,
+                "charged": charge is not None,
             }
         )
     else:
@@ -185,8 +251,63 @@ def sanitize(
             "(replace one row)",
             soft_wrap=True,
         )
+    if charge is not None and not json_output:
+        console.print(f"charged to session {session!r} of {ledger} before writing", soft_wrap=True)
     if not report.private:
         err.print("[yellow]warning:[/yellow] seeded noise: this output is NOT private")
+
+
+def _print_table_report(report: Any, json_output: bool, console: Any) -> None:
+    from gaussdp._format import format_exact, format_upper
+
+    if json_output:
+        from gaussdp.cli._output import emit_json
+
+        emit_json(
+            {
+                "out_path": report.out_path,
+                "engine": report.engine,
+                "column": report.column,
+                "rows": report.rows,
+                "cols": report.cols,
+                "blocks": report.blocks,
+                "clip_norm": report.clip_norm,
+                "n_clipped": report.n_clipped,
+                "avg_norm_before": report.avg_norm_before,
+                "avg_norm_after": report.avg_norm_after,
+                "sigma": report.sigma,
+                "noise": report.noise,
+                "delta": report.delta,
+                "epsilon": report.epsilon,
+                "epsilon_replace": report.epsilon_replace,
+                "charge": report.charge,
+                "private": True,
+            }
+        )
+        return
+    where = f"{report.blocks} row group(s)"
+    if report.engine == "ray":
+        where = f"{report.blocks} parts + _manifest.json"
+    console.print(
+        f"sanitized {report.rows} rows x {report.cols} of column {report.column!r} ({report.engine}) -> "
+        f"{report.out_path} ({where}; other columns unchanged)\n"
+        f"clip_norm={format_exact(report.clip_norm)}: {report.n_clipped} rows clipped; mean row norm "
+        f"{report.avg_norm_before:.4g} -> {report.avg_norm_after:.4g}\n"
+        f"noise sigma={format_upper(report.sigma)} per coordinate ({report.noise})",
+        soft_wrap=True,
+    )
+    console.print(
+        f"true epsilon per individual at delta={format_exact(report.delta)}: "
+        f"{format_upper(report.epsilon)} (add/remove one row); {format_upper(report.epsilon_replace)} "
+        "(replace one row)",
+        soft_wrap=True,
+    )
+    if report.charge is not None:
+        console.print(
+            f"charged to session {report.charge['principal']!r} before writing (charge id "
+            f"{report.charge['charge_id']}); recorded in the output's metadata",
+            soft_wrap=True,
+        )
 
 
 def demo(console: Any, out_dir: Path) -> None:

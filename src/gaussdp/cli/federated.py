@@ -105,7 +105,7 @@ def run_demo(
     sim.run(rounds, callback=on_round)
     # A restarted server on the same ledger URL sees the same rounds and budget.
     resumed = make_server()
-    # the federated anomaly detector's PrivacyAccountant report, from the ledger's records
+    # the federated anomaly detector's PrivacyTracker report, from the ledger's records
     report = resumed.ledger.report()
     png = _plot(sim.rounds, out_dir / "federated.png", target_epsilon, delta) if plot else None
     last = sim.rounds[-1] if sim.rounds else None

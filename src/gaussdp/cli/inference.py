@@ -8,8 +8,9 @@ from typing import Any
 
 import typer
 
-from gaussdp._neighbouring import DEFAULT_HIDDEN_STATE_NEIGHBOURING, HIDDEN_STATE_NEIGHBOURINGS
+from gaussdp._neighbouring import DEFAULT_HIDDEN_STATE_NEIGHBOURING, check_neighbouring
 from gaussdp.cli._output import JSON_PRECISION
+from gaussdp.errors import InvalidParameter
 
 
 def register(app: typer.Typer) -> None:
@@ -98,8 +99,8 @@ def inference_report(
     per: PrivatizeUnit = typer.Option(PrivatizeUnit.token, help="'token' or 'sequence'."),
     neighbouring: str = typer.Option(
         DEFAULT_HIDDEN_STATE_NEIGHBOURING,
-        help="Relation the epsilons are for: 'replace' (default everywhere for hidden states, "
-        "sensitivity 2C) or 'add-remove' (sensitivity C).",
+        help="Relation the epsilons are for: 'replace_one' (default everywhere for hidden states, "
+        "sensitivity 2C) or 'add_remove' (sensitivity C).",
     ),
     out: str = typer.Option("inference_report.png", help="Where to write the PNG."),
     json_output: bool = typer.Option(
@@ -151,18 +152,16 @@ def run_report(
     neighbouring: str = DEFAULT_HIDDEN_STATE_NEIGHBOURING,
     prompts_path: str | None = None,
 ) -> list[Any]:
-    if neighbouring not in HIDDEN_STATE_NEIGHBOURINGS:
-        raise typer.BadParameter(
-            f"neighbouring must be 'replace' or 'add-remove', got {neighbouring!r}",
-            param_hint="--neighbouring",
-        )
+    try:
+        neighbouring = check_neighbouring(neighbouring, "--neighbouring").value
+    except InvalidParameter as exc:
+        raise typer.BadParameter(str(exc), param_hint="--neighbouring") from exc
     import torch
 
     from gaussdp.inference.report import document_000, plot_privacy_utility, sweep, tiny_causal_lm
 
     doc = document_000()
     _print_document_000(console, doc)
-    from gaussdp.errors import InvalidParameter
     from gaussdp.inference import tiny_lm
 
     try:

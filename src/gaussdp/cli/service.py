@@ -571,7 +571,7 @@ def demo(console: Any, out_dir: Path) -> None:
                 # the inference server's relation (Delta_f = C): stated, since the default is replace-one
                 r = http.post(
                     f"/v1/sessions/{sid}/hidden-state",
-                    json={"hidden_state": state.tolist(), "neighbouring": "add-remove"},
+                    json={"hidden_state": state.tolist(), "neighbouring": "add_remove"},
                     headers=h,
                 )
                 if r.status_code != 200:

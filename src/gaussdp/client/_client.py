@@ -270,7 +270,7 @@ class GaussDPClient(FinetuneCalls):
         delta: float | None = None,
         sigma: float | None = None,
         clip_norm: float = 1.0,
-        neighbouring: str = "replace",
+        neighbouring: str = "replace_one",
         idempotency_key: str | None = None,
     ) -> HiddenState:
         """A TRUSTED server clips and noises ``hidden_state`` (``/hidden-state``; the service's
@@ -301,7 +301,7 @@ class GaussDPClient(FinetuneCalls):
         adapter: str,
         clip_norm: float,
         sigma: float,
-        neighbouring: str = "replace",
+        neighbouring: str = "replace_one",
         idempotency_key: str | None = None,
     ) -> LoraDelta:
         """The server's LoRA delta of rows this client already clipped and noised (``/lora-delta``);
@@ -337,7 +337,7 @@ class GaussDPClient(FinetuneCalls):
         adapter: str,
         clip_norm: float,
         sigma: float,
-        neighbouring: str = "replace",
+        neighbouring: str = "replace_one",
         idempotency_key: str | None = None,
     ) -> LoraDelta:
         """:meth:`lora_delta` under CKKS: the server computes the delta on ciphertext it cannot decrypt.

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from gaussdp._validate import SetOnce, check_positive
+from gaussdp.accounting.events import check_noise_multiplier
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, PrivacyError
 from gaussdp.federated._tree import flatten, tree_sub, unflatten_like
 from gaussdp.federated.rounds import RoundLedger
@@ -105,7 +106,7 @@ class LocalGaussian(SetOnce):
         if noise_multiplier is not None:
             if epsilon is not None:
                 raise InvalidParameter("give epsilon and delta, or noise_multiplier, not both")
-            self.sigma = check_positive("noise_multiplier", noise_multiplier) * self.sensitivity
+            self.sigma = check_noise_multiplier(noise_multiplier) * self.sensitivity
         elif epsilon is None or delta is None:
             raise InvalidParameter("LocalGaussian needs epsilon and delta, or noise_multiplier")
         else:

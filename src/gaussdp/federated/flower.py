@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -61,6 +62,7 @@ try:
         MetricRecord,
         RecordDict,
     )
+    from flwr.common.constant import SUPERLINK_NODE_ID
     from flwr.serverapp import Grid
     from flwr.serverapp.strategy import Result, Strategy
     from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, KEY_NORM_BIT
@@ -71,6 +73,7 @@ __all__ = [
     "KEY_CLIPPING_NORM",
     "KEY_NORM_BIT",
     "KEY_ROUND",
+    "DPFTRLStrategy",
     "DPFedAvgStrategy",
     "load_checkpoint",
     "local_dp_mod",
@@ -159,14 +162,19 @@ class DPFedAvgStrategy(Strategy):
         arrayrecord_key: str = "arrays",
         configrecord_key: str = "config",
     ) -> None:
+        from gaussdp.federated.mf import BandedMFServer
         from gaussdp.federated.server import DPFedAvg
 
-        if not isinstance(server, DPFedAvg):
-            raise TypeError(f"server must be a gaussdp.federated.DPFedAvg, got {type(server).__name__}")
+        if not isinstance(server, DPFedAvg | BandedMFServer):
+            raise TypeError(
+                "server must be a gaussdp.federated.DPFedAvg or gaussdp.federated.mf.BandedMFServer, "
+                f"got {type(server).__name__}"
+            )
         self.server = server
         self.server_lr = float(server_lr)
         self.checkpoint = Path(checkpoint) if checkpoint is not None else None
         self.wait_timeout = float(wait_timeout)
+        self.report_every = 10.0  # seconds between the "waiting for nodes" messages
         self.arrayrecord_key = arrayrecord_key
         self.configrecord_key = configrecord_key
         self.rounds: list[Any] = []  # the server's RoundResult of each round this object ran
@@ -212,11 +220,24 @@ class DPFedAvgStrategy(Strategy):
     # -- train ----------------------------------------------------------------------------------------
     def _population(self, grid: Grid) -> list[int]:
         n = self.server.num_clients
-        deadline = time.monotonic() + self.wait_timeout
+        start = time.monotonic()
+        deadline = start + self.wait_timeout
+        reported = -math.inf
         while True:
             nodes = sorted(int(i) for i in grid.get_node_ids())
             if len(nodes) >= n or time.monotonic() >= deadline:
                 break
+            if time.monotonic() - reported >= self.report_every:
+                # say what the run waits for (a restarted SuperLink has no nodes until they reconnect)
+                reported = time.monotonic()
+                log.warning(
+                    "waiting for %d SuperNodes to connect to the SuperLink: %d connected; giving up in "
+                    "%.0f s (wait_timeout=%g)",
+                    n,
+                    len(nodes),
+                    max(0.0, deadline - reported),
+                    self.wait_timeout,
+                )
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
         if len(nodes) != n:
             raise InvalidParameter(
@@ -308,6 +329,13 @@ class DPFedAvgStrategy(Strategy):
         rows: list[tuple[int, np.ndarray, float | None]] = []
         for reply in replies:
             node = int(reply.metadata.src_node_id)
+            if node == SUPERLINK_NODE_ID and reply.has_error():
+                # The SuperLink answers for a node it holds unavailable (e.g. after a SuperLink
+                # restart, until the node's next heartbeat): that node is a dropout, whichever it is.
+                log.warning(
+                    "round %d: the SuperLink answered for a node: %s", server_round, reply.error.reason
+                )
+                continue
             if node not in self._ids:
                 raise UnsafeInput(
                     f"round {server_round}: a reply from node {node}, which was not sampled: refused"
@@ -436,6 +464,33 @@ class DPFedAvgStrategy(Strategy):
                     result.evaluate_metrics_serverapp[rnd] = res
         result.arrays = arrays
         return result
+
+
+class DPFTRLStrategy(DPFedAvgStrategy):
+    """DP-FTRL / banded-MF on Flower: a :class:`DPFedAvgStrategy` driving a
+    :class:`gaussdp.federated.mf.BandedMFServer` (no client sampling; each node once per epoch of
+    rounds, the noise correlated across rounds through the strategy).
+
+    The same Message API flow, ledger, checkpoints and resumption as :class:`DPFedAvgStrategy`: the
+    rounds' clients are the server's fixed blocks of the nodes (the ``i``-th smallest node id is
+    client ``i``), and the population must stay ``server.num_clients``. Guarantee: client-level, under
+    zero-out of one node's updates (see :mod:`gaussdp.federated.mf`).
+
+    Raises:
+        TypeError: ``server`` is not a :class:`~gaussdp.federated.mf.BandedMFServer`.
+    """
+
+    def __init__(self, server: Any, **kwargs: Any) -> None:
+        from gaussdp.federated.mf import BandedMFServer
+
+        if not isinstance(server, BandedMFServer):
+            raise TypeError(
+                f"server must be a gaussdp.federated.mf.BandedMFServer, got {type(server).__name__}"
+            )
+        super().__init__(server, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"DPFTRLStrategy({self.server!r})"
 
 
 # -- client mods ---------------------------------------------------------------------------------------

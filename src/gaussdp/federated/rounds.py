@@ -129,12 +129,12 @@ class RoundLedger:
         return receipt
 
     def report(self) -> dict[str, Any]:
-        """The anomaly detector's ``PrivacyAccountant.get_report()`` for this principal, by round."""
+        """The anomaly detector's ``PrivacyTracker.get_report()`` for this principal, by round."""
         return privacy_accountant(self.ledger, self.principal).get_report()
 
 
 def privacy_accountant(ledger: Any, principal: str) -> Any:
-    """The federated anomaly detector's :class:`gaussdp.budget.PrivacyAccountant` filled from the ledger.
+    """The federated anomaly detector's :class:`gaussdp.budget.PrivacyTracker` filled from the ledger.
 
     Every charge of ``principal`` becomes one expenditure of its round (from the idempotency key),
     with its exact event. The budget's delta is split evenly over the ``n`` charges (each spend is
@@ -143,11 +143,11 @@ def privacy_accountant(ledger: Any, principal: str) -> Any:
     ledger's own figure. The ledger stays the source of truth; this is a read-only view.
     """
     from gaussdp.accounting import accountant, event_from_dict
-    from gaussdp.budget.trackers import PrivacyAccountant, PrivacyExpenditure
+    from gaussdp.budget.trackers import PrivacyExpenditure, PrivacyTracker
 
     led = _as_ledger(ledger)
     budget = led.budget(principal)
-    acc = PrivacyAccountant(target_epsilon=budget.epsilon, accountant=led.accountant(principal))
+    acc = PrivacyTracker(target_epsilon=budget.epsilon, accountant=led.accountant(principal))
     records = led.history(principal)
     if not records:
         return acc
@@ -174,7 +174,7 @@ def privacy_accountant(ledger: Any, principal: str) -> Any:
 
 
 def round_report(ledger: Any, principals: list[str] | None = None, *, prefix: str = "") -> dict[str, Any]:
-    """The anomaly detector's ``PrivacyAccountant.get_report()``, built from the ledger's records, by round.
+    """The anomaly detector's ``PrivacyTracker.get_report()``, built from the ledger's records, by round.
 
     Each principal is accounted by its own budget's accountant; ``total_epsilon`` is the largest
     composed epsilon over the principals (each principal is a different client, or one run, so their

@@ -47,6 +47,7 @@ import numpy as np
 
 from gaussdp._format import format_upper
 from gaussdp._validate import check_choice, check_positive, check_probability
+from gaussdp.accounting.events import check_noise_multiplier
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, PrivacyError, UnsafeInput
 from gaussdp.federated.adaptive import AdaptiveClipping, effective_noise_multiplier
 from gaussdp.federated.robust import RobustAggregator
@@ -133,7 +134,7 @@ class DPFedAvg:
             raise InvalidParameter(f"num_clients must be an int >= 1, got num_clients={num_clients!r}")
         self.num_clients = int(num_clients)
         self.sample_rate = check_probability("sample_rate", sample_rate)
-        self.noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
+        self.noise_multiplier = check_noise_multiplier(noise_multiplier)
         if adaptive is None:
             if clip_norm is None:
                 raise InvalidParameter("give clip_norm (fixed clipping) or adaptive=AdaptiveClipping(...)")

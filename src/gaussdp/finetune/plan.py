@@ -324,9 +324,9 @@ def _run_event(noise_multiplier: float, sample_rate: float, steps: int) -> Event
 
 
 def _epsilon(accountant: str, event: Event, delta: float) -> float:
-    from gaussdp.accounting import upper_bound_accountant
+    from gaussdp.accounting import accountant as make_accountant
 
-    return float(upper_bound_accountant(accountant).compose(event).epsilon(delta))
+    return float(make_accountant(accountant).compose(event).epsilon(delta))
 
 
 def check_plan(

@@ -534,12 +534,13 @@ def _batches(loader: Any, epochs: int) -> Iterator[Any]:
 def _epsilon_after(plan: FinetunePlan, steps_done: int) -> float:
     """epsilon at ``plan.delta`` of the first ``steps_done`` steps, composed as the plan's event is
     (one self-composition), so that after the last step it is exactly ``plan.epsilon``."""
-    from gaussdp.accounting import SelfComposedEvent, upper_bound_accountant
+    from gaussdp.accounting import SelfComposedEvent
+    from gaussdp.accounting import accountant as make_accountant
 
     if steps_done == 0:
         return 0.0
     if steps_done == plan.steps:
         return plan.epsilon
     step_event = plan.event.event  # type: ignore[attr-defined]
-    acc = upper_bound_accountant(plan.accountant).compose(SelfComposedEvent(step_event, steps_done))
+    acc = make_accountant(plan.accountant).compose(SelfComposedEvent(step_event, steps_done))
     return float(acc.epsilon(plan.delta))

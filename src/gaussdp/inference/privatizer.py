@@ -19,7 +19,7 @@ What is protected (the neighbouring relation)
 The unit released is one row: one token's hidden state (``per="token"``) or one sequence's whole
 hidden-state matrix (``per="sequence"``). Every released row is clipped to ``clip_norm = C``.
 
-* ``neighbouring="replace"`` (default, everywhere for hidden states: the privatizer, split mode,
+* ``neighbouring="replace_one"`` (default, everywhere for hidden states: the privatizer, split mode,
   the service's ``/hidden-state`` and ``/lora-delta`` and the CLI share
   :data:`gaussdp._neighbouring.DEFAULT_HIDDEN_STATE_NEIGHBOURING`, so a sigma calibrated with the
   default is charged the same epsilon on every path): two requests are neighbours whatever their
@@ -28,7 +28,7 @@ hidden-state matrix (``per="sequence"``). Every released row is clipped to ``cli
   every row of a request is charged (one :class:`~gaussdp.accounting.GaussianEvent` per row,
   composed by the ledger's accountant), the epsilon the ledger reports covers the *whole* request
   (all its tokens) and, composed over requests, the whole session.
-* ``neighbouring="add-remove"``: a row is neighbour to its absence (the zero vector), sensitivity
+* ``neighbouring="add_remove"``: a row is neighbour to its absence (the zero vector), sensitivity
   ``C``. This is the relation under which the private inference server's ``Delta_f = 1`` for a clip of 1 is
   right; it protects the presence of a hidden state, not its content against any other content.
 
@@ -55,8 +55,8 @@ from torch import nn
 from gaussdp._format import format_exact, format_upper
 from gaussdp._neighbouring import (
     DEFAULT_HIDDEN_STATE_NEIGHBOURING,
-    HIDDEN_STATE_NEIGHBOURINGS,
     HiddenStateNeighbouring,
+    check_neighbouring,
     hidden_state_sensitivity,
 )
 from gaussdp._validate import SetOnce, check_choice, check_delta, check_epsilon, check_positive
@@ -129,7 +129,7 @@ class HiddenStatePrivatizer(SetOnce):
         per: ``"token"`` (default) or ``"sequence"`` (dim 0 of the hidden state is the batch).
         accountant: accountant of the local tracking when ``ledger`` is None, and of a session
             opened through ``budget=``.
-        neighbouring: ``"replace"`` (default, sensitivity 2C) or ``"add-remove"`` (sensitivity C).
+        neighbouring: ``"replace_one"`` (default, sensitivity 2C) or ``"add_remove"`` (sensitivity C).
         method: calibration method, ``"analytic"`` (default) or ``"classical"``.
         noise: ``"secure"`` (default, OS entropy) or ``"fast"``; ``False`` switches noise off for
             tests of the deterministic parts: NOT PRIVATE, warns, charges nothing, refuses a ledger.
@@ -182,12 +182,11 @@ class HiddenStatePrivatizer(SetOnce):
         self._handle: Any = None
         self.clip_norm = check_positive("clip_norm", clip_norm)
         check_choice("per", per, ("token", "sequence"))
-        check_choice("neighbouring", neighbouring, HIDDEN_STATE_NEIGHBOURINGS)
         if not isinstance(session_id, str) or not session_id:
             raise InvalidParameter(f"session_id must be a non-empty string, got session_id={session_id!r}")
         self.per: Per = per
-        self.neighbouring: Neighbouring = neighbouring
-        self.sensitivity = hidden_state_sensitivity(self.clip_norm, neighbouring)
+        self.neighbouring: Neighbouring = check_neighbouring(neighbouring).value
+        self.sensitivity = hidden_state_sensitivity(self.clip_norm, self.neighbouring)
         self.delta = None if delta is None else check_delta(delta)
         self.noise_enabled = noise is not False
         if self.noise_enabled:
@@ -210,8 +209,8 @@ class HiddenStatePrivatizer(SetOnce):
             if not NOISE_MULTIPLIER_MIN <= self.noise_multiplier <= NOISE_MULTIPLIER_MAX:
                 # refused here, before any release, naming what the caller gave
                 raise InvalidParameter(
-                    "sigma / sensitivity must be in "
-                    f"[{NOISE_MULTIPLIER_MIN:g}, {NOISE_MULTIPLIER_MAX:g}], got "
+                    f"sigma / sensitivity must be in [{NOISE_MULTIPLIER_MIN:g}, {NOISE_MULTIPLIER_MAX:g}], "
+                    "got "
                     f"sigma={self.sigma!r}, sensitivity={self.sensitivity!r} (clip_norm={clip_norm!r}): "
                     "outside it no accountant certifies a bound"
                 )

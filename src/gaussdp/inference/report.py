@@ -1,7 +1,7 @@
 """The privacy/utility sweep of ``gaussdp inference-report``, and its PNG (matplotlib, Agg backend).
 
 For a fixed per-token epsilon the noise is ``sigma = sigma_for(epsilon, delta, 2C)`` under the default
-relation (replace-one, :mod:`gaussdp._neighbouring`; ``C`` under add-remove), so the SNR bound
+relation (replace-one, :mod:`gaussdp._neighbouring`; ``C`` under add_remove), so the SNR bound
 ``C / (sigma sqrt(d))`` does not depend on the clip norm C at all: C only decides how much of the
 hidden state clipping throws away. The sweep shows both effects.
 """

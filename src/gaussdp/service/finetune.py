@@ -86,6 +86,7 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
 from gaussdp._worklimit import no_cpu_limit
+from gaussdp.accounting.events import event_json
 from gaussdp.budget import UnknownPrincipal
 from gaussdp.errors import PrivacyError, WorkLimitExceeded
 from gaussdp.service.auth import Caller
@@ -380,7 +381,7 @@ def make_finetune_router(
         ft_config = finetune_config(config)
         plan = plan_finetune(ft_config, n_records=corpus.records)
         check_model(model_paths[body.model], ft_config)  # what training would refuse: refused uncharged
-        event = json.loads(json.dumps(plan.event.to_dict(), sort_keys=True))
+        event = json.loads(event_json(plan.event))
         job_id = "job_" + secrets.token_urlsafe(12)
         row = JobRow(
             job_id, who.tenant, corpus.id, body.model, principal, config, event, float(plan.epsilon),

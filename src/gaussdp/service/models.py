@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from gaussdp._neighbouring import DEFAULT_HIDDEN_STATE_NEIGHBOURING, HiddenStateNeighbouring
+from gaussdp._neighbouring import (
+    DEFAULT_HIDDEN_STATE_NEIGHBOURING,
+    HiddenStateNeighbouring,
+    check_neighbouring,
+)
 
 __all__ = [
     "AuditLine",
@@ -37,10 +41,18 @@ AccountantName = Literal["pld", "rdp", "advanced", "basic"]
 Vector = Annotated[list[Finite], Field(min_length=1, max_length=MAX_DIM)]
 Base64 = Annotated[str, Field(min_length=4, max_length=(MAX_DIM * 4 * 4) // 3 + 4)]
 Rows = Annotated[list[Vector], Field(min_length=1, max_length=MAX_ROWS)]
-Neighbouring = HiddenStateNeighbouring
+
+
+def _one_spelling(value: object) -> object:
+    # An older spelling of the relation is refused naming the value to write (InvalidParameter is a
+    # ValueError: a 422); anything else that is not a relation is left to the Literal to refuse.
+    return check_neighbouring(value).value if isinstance(value, str) else value
+
+
+Neighbouring = Annotated[HiddenStateNeighbouring, BeforeValidator(_one_spelling)]
 _RELATION_HELP = (
-    "Neighbouring relation the epsilon is for: 'replace' (default everywhere for hidden states, as in "
-    "gaussdp.inference: any state against any other, sensitivity 2 * clip_norm) or 'add-remove' (a "
+    "Neighbouring relation the epsilon is for: 'replace_one' (default everywhere for hidden states, as in "
+    "gaussdp.inference: any state against any other, sensitivity 2 * clip_norm) or 'add_remove' (a "
     "state against its absence, the zero vector; sensitivity clip_norm, the inference server's Delta_f)."
 )
 IdempotencyKey = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")]

@@ -80,15 +80,15 @@ def releases_router(svc: Service, router: APIRouter | None = None) -> APIRouter:
         The server sees the clean hidden state; with an honest-but-curious server use ``/lora-delta``.
         Defaults are the private inference server's per-request (epsilon=1, delta=1e-5, clip 1), calibrated
         exactly (analytic) instead of with the classical formula. ``neighbouring`` says what the epsilon
-        protects: ``"replace"`` (default, as for the privatizer and ``/lora-delta``: any state
-        against any other, sensitivity ``2 * clip_norm``) or ``"add-remove"`` (sensitivity
+        protects: ``"replace_one"`` (default, as for the privatizer and ``/lora-delta``: any state
+        against any other, sensitivity ``2 * clip_norm``) or ``"add_remove"`` (sensitivity
         ``clip_norm``: a state against its absence); the response names it. An exhausted session
         is refused (409).
         """
         p = svc.owned(who.tenant, session_id)
         x = _vector(body.hidden_state, body.hidden_state_b64, "hidden_state_b64")
         sensitivity = sensitivity_of(body.clip_norm, body.neighbouring)
-        if body.neighbouring == "replace":
+        if body.neighbouring == "replace_one":
             x = _clip(x, body.clip_norm)  # clipped to C, noised for 2C (the mechanism's clip is a no-op)
         mech = _mechanism(body.epsilon, body.delta, body.sigma, sensitivity, svc.noise)
         released = led.release(p, mech, x, idempotency_key=body.idempotency_key, key_id=who.key_id)
@@ -123,8 +123,8 @@ def releases_router(svc: Service, router: APIRouter | None = None) -> APIRouter:
         **The server cannot verify the client's clipping or noise.** ``clip_norm``, ``sigma`` and
         ``neighbouring`` are the client's declared spend: the session is charged one
         ``GaussianEvent(noise_multiplier=sigma / sensitivity)`` per row (sensitivity ``2 * clip_norm``
-        for ``"replace"``, the default everywhere for hidden states, ``clip_norm`` for
-        ``"add-remove"``; the response names it), all rows in one atomic charge before
+        for ``"replace_one"``, the default everywhere for hidden states, ``clip_norm`` for
+        ``"add_remove"``; the response names it), all rows in one atomic charge before
         answering, so that the session's budget is enforced (409 once it cannot pay; nothing is
         answered then). The charge records a claim, it does not make unnoised rows private. A delta
         that overflows (float64, or float32 for ``noised_b64``) is refused with 422, uncharged.

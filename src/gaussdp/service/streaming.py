@@ -3,7 +3,7 @@
 A served model (``gaussdp serve --model NAME=PATH``) generates greedily, token by token, with the
 hidden state of one layer clipped to ``clip_norm`` and noised with ``N(0, sigma^2 I)`` in every
 forward pass (:class:`gaussdp.inference.HiddenStatePrivatizer`; default layer: the last transformer
-block; default relation ``"replace"``, sensitivity ``2 * clip_norm``). Every token's release is
+block; default relation ``"replace_one"``, sensitivity ``2 * clip_norm``). Every token's release is
 charged to the session's ledger **before** the token is sent: one charge per token, with the
 idempotency key ``"<stream_id>/<index>"`` (visible in ``/history``). With the model's key/value
 cache the first charge covers the prompt's rows (``prompt_tokens`` Gaussian releases composed) and

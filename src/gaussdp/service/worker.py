@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from gaussdp.accounting.events import event_json
 from gaussdp.service.jobs import JobRow, JobStore, worker_identity
 
 __all__ = ["DEFAULT_LEASE_S", "adapter_dir", "corpus_path", "finetune_config", "run_job", "run_worker"]
@@ -71,8 +72,8 @@ def finetune_config(config: Mapping[str, Any]) -> Any:
 
 
 def _event_dict(event: Any) -> dict[str, Any]:
-    out = event.to_dict()
-    return json.loads(json.dumps(out, sort_keys=True))
+    out: dict[str, Any] = json.loads(event_json(event))
+    return out
 
 
 def run_job(

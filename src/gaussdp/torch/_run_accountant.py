@@ -33,13 +33,13 @@ class RunAccountant:
     """
 
     def __init__(self, name: str = "pld") -> None:
-        from gaussdp.accounting import upper_bound_accountant
+        from gaussdp.accounting import accountant as make_accountant
 
         if not isinstance(name, str):
             raise TypeError(f"accountant must be a string, got accountant={name!r}")
         self.requested = name
         self.backend = _BACKEND.get(name.lower(), name.lower())
-        self._acc = upper_bound_accountant(self.backend)
+        self._acc = make_accountant(self.backend)
         self.steps = 0  # optimizer steps charged
         self.unnoised_steps = 0  # steps with noise_multiplier=0: epsilon is inf from then on
 
@@ -101,12 +101,12 @@ class RunAccountant:
 
         Every event is parsed before any is composed: a bad state leaves this one unchanged.
         """
-        from gaussdp.accounting import upper_bound_accountant
+        from gaussdp.accounting import accountant as make_accountant
 
         if self.steps or self._acc.steps:
             raise ValueError("this accountant was charged already; load the checkpoint before the first step")
         events = [(event_from_dict(e), int(c)) for e, c in state["events"]]
-        acc = upper_bound_accountant(self.backend)
+        acc = make_accountant(self.backend)
         for e, c in events:
             acc.compose(e, c)
         self._acc = acc

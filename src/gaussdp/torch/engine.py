@@ -30,13 +30,17 @@ from torch.utils.data import DataLoader
 
 from gaussdp._validate import (
     check_choice,
+    check_counts,
     check_delta,
     check_epsilon,
     check_nonnegative,
     check_positive,
 )
+from gaussdp.accounting.events import NOISE_MULTIPLIER_MAX, NOISE_MULTIPLIER_MIN
 from gaussdp.errors import InvalidParameter, NotPrivateWarning
+from gaussdp.mf import BandedMFPlan, BandedNoise
 from gaussdp.torch._clipper import PerSampleClipper
+from gaussdp.torch._mf import CyclicLoader, MFCharge
 from gaussdp.torch._probe import ProbeReport, run_probe
 from gaussdp.torch._random import KeystreamNormal, keystream_normal_available, torch_generator
 from gaussdp.torch._run_accountant import RunAccountant
@@ -132,6 +136,7 @@ class PrivacyEngine:
         self._drawn: Any = None  # the batches the loader handed out (gaussdp.torch.data.DrawnBatches)
         self._pass_seen = -1
         self._pass_mu2 = 0.0  # mu^2 of the Gaussian releases charged in the current pass
+        self.mf: MFCharge | None = None  # the charge of noise_mechanism="banded-mf"
 
     @property
     def steps(self) -> int:
@@ -156,6 +161,9 @@ class PrivacyEngine:
         grad_sample_mode: str = "hooks",
         keep_grad_sample: bool = False,
         independence_probe: bool | Callable[[nn.Module, Any], Any] = True,
+        noise_mechanism: str = "gaussian",
+        bands: int | None = None,
+        epochs: int | None = None,
         **adaptive: Any,
     ) -> Any:
         """Hooks on ``module`` (returned unchanged), a DP optimizer and the private data loader.
@@ -249,6 +257,30 @@ class PrivacyEngine:
                 otherwise. False skips it. What it cannot catch is listed in
                 :mod:`gaussdp.torch._probe` and the DP-SGD guide (a loss that mixes samples,
                 behaviour that depends on the batch).
+            noise_mechanism: ``"gaussian"`` (default: DP-SGD, independent noise at each step) or
+                ``"banded-mf"``: banded matrix-factorisation noise, correlated across steps
+                (:mod:`gaussdp.mf`; docs/guides/matrix-factorization.md). It needs
+                ``poisson_sampling=False`` (amplification by Poisson sampling is not claimed for it:
+                refused otherwise), ``bands`` and ``epochs``. The loader becomes a
+                :class:`gaussdp.torch._mf.CyclicLoader`: fixed batches in the order of the given
+                sampler's first pass, the same every epoch, so a record takes part in at most
+                ``epochs`` steps, ``len(data_loader)`` apart. The strategy ``C`` is a ``bands``-banded
+                Toeplitz matrix optimised for ``epochs * len(data_loader)`` steps; each step's noise
+                is ``(C^{-1} z)_t`` with ``z ~ N(0, (noise_multiplier * max_grad_norm)^2)`` per
+                coordinate, drawn from the engine's noise source, through a buffer of ``bands - 1``
+                noise tensors per trainable parameter (memory ``bands x`` the trainable parameters).
+                Guarantee: under zero-out of one record (its gradients replaced by zero; the
+                relation of DP-FTRL and MF training), the release ``C x + z``, charged epoch by epoch
+                before the epoch's first step as the accounting's
+                :func:`gaussdp.accounting.banded_matrix_factorization_event` of the steps up to the
+                end of that epoch; after the last epoch the accountant holds exactly the whole run's
+                event. ``noise_multiplier`` and ``max_grad_norm`` must stay fixed; a step past
+                ``epochs`` epochs, or one that does not use the next batch, is refused before release.
+                Not with ``clipping="adaptive"`` or in a distributed run.
+            bands: the number of bands ``b`` of ``C`` (1 is DP-SGD with cyclic batches), at most
+                ``len(data_loader)``; only with ``noise_mechanism="banded-mf"``.
+            epochs: the passes over the data the run will take; only with
+                ``noise_mechanism="banded-mf"``.
 
         Returns:
             ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion, data_loader)``
@@ -277,7 +309,36 @@ class PrivacyEngine:
             Gaussian releases, used for the passes of ``poisson_sampling=False``).
             Chua, Ghazi, Kamath, Kumar, Manurangsi, Sinha & Zhang 2024, "How private are DP-SGD
             implementations?", ICML (shuffled batches are not Poisson batches).
+            Choquette-Choo, Ganesh, McKenna, McMahan, Rush, Thakurta & Xu 2023, "(Amplified) Banded
+            Matrix Factorizations: A unified approach to private training", NeurIPS (banded MF);
+            Denisov, McMahan, Rush, Smith & Thakurta 2022, "Improved differential privacy for SGD
+            via optimal private linear operators on adaptive streams", Theorem 2.1 (adaptivity).
         """
+        check_choice("noise_mechanism", noise_mechanism, ("gaussian", "banded-mf"))
+        if noise_mechanism == "banded-mf":
+            if poisson_sampling:
+                raise InvalidParameter(
+                    "noise_mechanism='banded-mf' needs poisson_sampling=False: its accounting assumes "
+                    "cyclic participation (fixed batches, each record once per epoch), and gaussdp does "
+                    "not claim amplification by Poisson sampling for correlated noise (amplified banded "
+                    "MF needs sampling within b-min-separated groups); pass poisson_sampling=False"
+                )
+            if clipping == "adaptive":
+                raise InvalidParameter(
+                    "noise_mechanism='banded-mf' cannot use clipping='adaptive': the strategy's "
+                    "noise needs one clip norm for the whole run"
+                )
+            if bands is None or epochs is None:
+                raise InvalidParameter(
+                    f"noise_mechanism='banded-mf' needs bands and epochs, got bands={bands!r}, "
+                    f"epochs={epochs!r}"
+                )
+            check_counts(bands=bands, epochs=epochs)
+        elif bands is not None or epochs is not None:
+            raise InvalidParameter(
+                f"bands and epochs are arguments of noise_mechanism='banded-mf', got bands={bands!r}, "
+                f"epochs={epochs!r} with noise_mechanism={noise_mechanism!r}"
+            )
         if clipping != "adaptive" and adaptive:
             raise TypeError(f"make_private() got unsupported arguments {sorted(adaptive)}")
         if clipping == "adaptive":
@@ -316,6 +377,7 @@ class PrivacyEngine:
         if not isinstance(batch_first, bool):
             raise TypeError(f"batch_first must be a bool, got batch_first={batch_first!r}")
         sigma = check_nonnegative("noise_multiplier", noise_multiplier)
+        _check_noise_domain(sigma, poisson_sampling)
         if clipping != "per_layer" or not isinstance(max_grad_norm, Sequence):
             check_positive("max_grad_norm", max_grad_norm)  # lists are checked by the clipper
         if self.clipper is not None:
@@ -360,6 +422,30 @@ class PrivacyEngine:
                 world_size=world,
             )
             sample_rate, expected = loader.sample_rate, loader.expected_batch_size
+        elif noise_mechanism == "banded-mf":
+            if world > 1:
+                raise InvalidParameter("noise_mechanism='banded-mf' is not supported in a distributed run")
+            if len(data_loader) == 0:
+                raise InvalidParameter("data_loader is empty")
+            check_once_per_pass(data_loader)
+            loader = CyclicLoader(data_loader)
+            bands, epochs = int(bands or 0), int(epochs or 0)  # checked above: ints >= 1
+            if bands > len(loader):
+                raise InvalidParameter(
+                    f"bands must be <= the steps per epoch (len(data_loader) = {len(loader)}), got "
+                    f"bands={bands}: a record's participations must be at least bands steps apart"
+                )
+            plan = BandedMFPlan.cyclic(steps_per_epoch=len(loader), epochs=epochs, bands=bands)
+            if sigma > 0:
+                try:  # the run's event is a Gaussian of multiplier sigma / sensitivity: in the domain?
+                    plan.event(sigma)
+                except InvalidParameter:
+                    raise InvalidParameter(
+                        f"noise_multiplier={sigma!r} over the strategy's sensitivity "
+                        f"{plan.sensitivity():.6g} is outside the domain the accountants certify"
+                    ) from None
+            sample_rate = 1.0 / len(loader)
+            expected = float(loader.batch_size)
         else:
             if len(data_loader) == 0:
                 raise InvalidParameter("data_loader is empty")
@@ -393,6 +479,7 @@ class PrivacyEngine:
                 on_step=self._charge,
                 drawn=loader.drawn,
                 adaptive=adaptive_clip,
+                correlated=BandedNoise(plan.coefficients) if noise_mechanism == "banded-mf" else None,
             )
             if independence_probe is not False:
                 probe_report = run_probe(
@@ -413,6 +500,8 @@ class PrivacyEngine:
         self.noise_multiplier, self.sample_rate = sigma, sample_rate
         self.poisson_sampling = poisson_sampling
         self._drawn = loader.drawn
+        if noise_mechanism == "banded-mf":
+            self.mf = MFCharge(plan, noise_multiplier=sigma, clip_norm=dp_optimizer.max_grad_norm)
         self.noise_stream = (
             "a user torch.Generator (noise_generator): NOT private"
             if noise_generator is not None
@@ -436,8 +525,9 @@ class PrivacyEngine:
     ) -> Any:
         """As :meth:`make_private`, with the smallest noise that keeps ``epochs`` epochs within
         ``(target_epsilon, target_delta)`` under this engine's accountant (and the charge
-        :meth:`make_private` describes for ``poisson_sampling``)."""
-        from gaussdp.accounting import noise_for_epsilon
+        :meth:`make_private` describes for ``poisson_sampling``, or for ``noise_mechanism="banded-mf"``
+        with ``bands``: the whole run's MF event)."""
+        from gaussdp.accounting import accountant, noise_for_epsilon
 
         eps = check_epsilon(target_epsilon, "target_epsilon")
         delta = check_delta(target_delta, "target_delta")
@@ -446,7 +536,18 @@ class PrivacyEngine:
         steps_per_epoch = len(data_loader)
         if steps_per_epoch == 0:
             raise InvalidParameter("data_loader is empty")
-        if kwargs.get("poisson_sampling", True):
+        if kwargs.get("noise_mechanism", "gaussian") == "banded-mf":
+            # one Gaussian release of the whole run, noise multiplier sigma / sensitivity(C)
+            plan = BandedMFPlan.cyclic(
+                steps_per_epoch=steps_per_epoch, epochs=epochs, bands=check_count_arg(kwargs.get("bands"))
+            )
+            sigma = plan.sensitivity() * noise_for_epsilon(
+                target_epsilon=eps, delta=delta, sample_rate=1.0, steps=1, accountant=self.accountant.backend
+            )
+            while accountant(self.accountant.backend).compose(plan.event(sigma)).epsilon(delta) > eps:
+                sigma *= 1.0 + 1e-12  # the event's rounding: nudge up until the target holds
+            kwargs["epochs"] = epochs
+        elif kwargs.get("poisson_sampling", True):
             sigma = noise_for_epsilon(
                 target_epsilon=eps,
                 delta=delta,
@@ -502,6 +603,12 @@ class PrivacyEngine:
         and ``grad_clip_scheduler`` are saved when given.
         """
         _check_schedulers(schedulers)
+        if self.mf is not None:
+            raise InvalidParameter(
+                "save_checkpoint is not supported with noise_mechanism='banded-mf': resuming needs the "
+                "strategy's noise buffer (the last bands - 1 noise tensors), which a checkpoint would "
+                "have to keep secret; train the run in one go"
+            )
         state: dict[str, Any] = dict(checkpoint_dict or {})
         state["module_state_dict"] = module.state_dict(**(module_state_dict_kwargs or {}))
         state["privacy_accountant_state_dict"] = self._state_dict()
@@ -581,6 +688,11 @@ class PrivacyEngine:
                     NotPrivateWarning,
                     stacklevel=3,
                 )
+        elif self.mf is not None:
+            batch = self._drawn.current if self._drawn is not None else None
+            unused = len(self._drawn) if self._drawn is not None else 0
+            clip = self.optimizer.max_grad_norm if self.optimizer is not None else math.nan
+            self.mf.charge(self.accountant, self.accountant.steps, sigma, clip, batch, unused)
         elif self.poisson_sampling:
             self.accountant.compose(SubsampledGaussianEvent(sigma, self.sample_rate))
         else:
@@ -596,10 +708,36 @@ class PrivacyEngine:
                 self._pass_seen, self._pass_mu2 = pass_id, 0.0
             need = (2.0 / sigma) ** 2
             if need > self._pass_mu2 * (1.0 + 1e-12):
-                self.accountant.compose(GaussianEvent(1.0 / math.sqrt(need - self._pass_mu2)))
+                # a missing mu^2 too small to state is charged at the largest multiplier the
+                # accountants certify: a smaller multiplier, so more than is owed, never less
+                missing = 1.0 / math.sqrt(need - self._pass_mu2)
+                self.accountant.compose(GaussianEvent(min(missing, NOISE_MULTIPLIER_MAX)))
                 self._pass_mu2 = need
         self.accountant.step(noised=sigma > 0)
         self.noise_multiplier = sigma
+
+
+def check_count_arg(value: Any) -> int:
+    """``bands`` of ``noise_mechanism="banded-mf"``: an int >= 1 (named in the error)."""
+    check_counts(bands=value)
+    return int(value)
+
+
+def _check_noise_domain(sigma: float, poisson_sampling: bool) -> None:
+    """Refuse, at make_private, a multiplier whose steps no accountant certifies: Poisson steps
+    are charged at ``sigma``, fixed-batch passes at ``sigma / 2`` (sensitivity 2C)."""
+    if sigma == 0:
+        return  # not private, and said so by a NotPrivateWarning
+    lo, hi = (
+        (NOISE_MULTIPLIER_MIN, NOISE_MULTIPLIER_MAX)
+        if poisson_sampling
+        else (2 * NOISE_MULTIPLIER_MIN, 2 * NOISE_MULTIPLIER_MAX)
+    )
+    if not lo <= sigma <= hi:
+        raise InvalidParameter(
+            f"noise_multiplier must be 0 or in [{lo:g}, {hi:g}] with poisson_sampling={poisson_sampling}, "
+            f"got noise_multiplier={sigma!r}: outside it no accountant certifies a bound"
+        )
 
 
 class DPLoss(nn.Module):

@@ -114,6 +114,9 @@ class DPOptimizer(Optimizer):
             that dimension, a batch used twice, or several batches used for one step (which the
             accountant would under-charge) is refused before anything is charged. None: no check
             (a ``DPOptimizer`` made by hand, without a data loader).
+        correlated: a :class:`gaussdp.mf.BandedNoise` (``noise_mechanism="banded-mf"``): each step's
+            fresh N(0, std^2) is passed through the strategy's recurrence before it is added, so the
+            noise is correlated across steps; None (default): independent noise (DP-SGD).
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class DPOptimizer(Optimizer):
         drawn: Any = None,
         check_moved: bool = True,
         adaptive: AdaptiveClipping | None = None,
+        correlated: Any = None,
     ) -> None:
         # no super().__init__: param_groups and state are the wrapped optimizer's (as in Opacus)
         self.original_optimizer = optimizer
@@ -140,6 +144,7 @@ class DPOptimizer(Optimizer):
         self._batch_taken = False  # a refused step took the batches of the sums it left
         self._check_moved = check_moved
         self.adaptive = adaptive
+        self.correlated = correlated  # a gaussdp.mf.BandedNoise: noise correlated across steps
         if adaptive is not None and clipper.clipping != "flat":
             raise InvalidParameter("clipping='adaptive' adapts one flat bound; per-layer bounds are fixed")
         self._skip_queue: list[bool] = []
@@ -264,7 +269,7 @@ class DPOptimizer(Optimizer):
         nothing leaves before :meth:`step` charges the accountant. Host parameters only.
         """
         std = self._std()
-        if std <= 0 or p.device.type != "cpu":
+        if std <= 0 or p.device.type != "cpu" or self.correlated is not None:
             return None
         return noise_buffer(self.generator, p.shape, acc_dtype(p.dtype), std), std
 
@@ -314,6 +319,17 @@ class DPOptimizer(Optimizer):
             s = self.clipper.summed.get(p)
             if s is None:
                 s = torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=p.device)
+            if self.correlated is not None:
+                # banded MF: this step's fresh N(0, std^2) through the strategy's recurrence
+                if std > 0:
+                    # contiguous, whatever s is; the array that left the strategy's buffer if any
+                    fresh = self.correlated.scratch(p)
+                    if fresh is None or fresh.shape != s.shape or fresh.dtype != s.dtype:
+                        fresh = torch.empty(s.shape, dtype=s.dtype, device=s.device)
+                    add_standard_normal_(self.generator, fresh.zero_(), std)
+                    s.add_(self.correlated.next(p, fresh))  # the buffer keeps y_t: s gets a copy
+                out.append(s)
+                continue
             extra = math.sqrt(max(0.0, std * std - self.clipper.noised.get(p, 0.0) ** 2))
             if extra > 0:
                 add_standard_normal_(self.generator, s, extra)  # in place, through a small host scratch

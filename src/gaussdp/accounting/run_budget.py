@@ -1,11 +1,13 @@
-"""The DP-SGD privacy manager's accounting API, with correct math.
+"""A DP-SGD run's budget: its parameters, the per-round noise that keeps it, and the run helpers.
 
-* The DP-SGD privacy manager: :class:`PrivacyParams`, :class:`PrivacyBudget` and the
-  helpers. Its per-round split ``epsilon_round = epsilon / sqrt(T)`` is *not* what the advanced
-  composition theorem gives; here the per-round noise is chosen with an accountant so that the
-  ``num_rounds`` rounds provably stay within (epsilon, delta).
+The DP-SGD privacy manager's accounting API, with correct math: :class:`PrivacyParams`,
+:class:`PrivacyBudget` and the helpers (epsilon, delta and noise scale of a run). The manager's
+per-round split ``epsilon_round = epsilon / sqrt(T)`` is *not* what the advanced composition
+theorem gives; here the per-round noise is chosen with an accountant so that the ``num_rounds``
+rounds provably stay within (epsilon, delta).
+
 The ledger-backed trackers of the federated anomaly detector and of the inference server
-(:class:`PrivacyAccountant`, :class:`PrivacyBudgetTracker`) live in :mod:`gaussdp.budget.trackers`,
+(:class:`PrivacyTracker`, :class:`PrivacyBudgetTracker`) live in :mod:`gaussdp.budget.trackers`,
 above the ledger they use.
 
 Neighbouring relation: add/remove of one record, as everywhere in gaussdp.
@@ -25,8 +27,7 @@ from gaussdp._validate import (
     check_probability,
 )
 from gaussdp.accounting.advanced import advanced_bound
-from gaussdp.accounting.base import Accountant, upper_bound_accountant
-from gaussdp.accounting.base import accountant as make_accountant
+from gaussdp.accounting.base import Accountant
 from gaussdp.accounting.events import (
     Event,
     GaussianEvent,
@@ -34,6 +35,7 @@ from gaussdp.accounting.events import (
     check_count,
 )
 from gaussdp.accounting.inverse import noise_for_epsilon
+from gaussdp.accounting.registry import accountant as make_accountant
 from gaussdp.calibration import delta_for, epsilon_for, sigma_for
 from gaussdp.errors import BudgetExhausted
 
@@ -99,7 +101,7 @@ class PrivacyBudget:
         self.num_rounds = check_count(num_rounds, "num_rounds")
         self.sample_rate = check_probability("sample_rate", sample_rate)
         self.accountant_name = accountant
-        self._acc: Accountant = upper_bound_accountant(accountant)  # the budget must provably hold
+        self._acc: Accountant = make_accountant(accountant)  # the budget must provably hold
         self.noise_multiplier = noise_for_epsilon(
             target_epsilon=self.epsilon,
             delta=self.delta,

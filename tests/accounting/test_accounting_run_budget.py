@@ -20,7 +20,7 @@ from gaussdp.accounting import (
     estimate_noise_scale,
     noise_for_epsilon,
 )
-from gaussdp.budget import PrivacyAccountant, PrivacyBudgetTracker
+from gaussdp.budget import PrivacyBudgetTracker, PrivacyTracker
 from gaussdp.calibration import classical_sigma, epsilon_for, sigma_for
 from gaussdp.errors import BudgetExhausted, InvalidParameter, PrivacyWarning
 
@@ -86,7 +86,7 @@ def test_helpers():
 
 # ----- document 003 ----------------------------------------------------------------------------
 def test_privacy_accountant_basic_as_documented(caplog):
-    acc = PrivacyAccountant(target_epsilon=5.0)
+    acc = PrivacyTracker(target_epsilon=5.0)
     assert acc.get_total_privacy() == (0.0, 0.0)
     acc.record_expenditure(epsilon=1.0, delta=1e-5, round_num=1, description="client 0")
     acc.record_expenditure(epsilon=1.0, delta=1e-5, round_num=1, description="client 1")
@@ -104,7 +104,7 @@ def test_privacy_accountant_basic_as_documented(caplog):
 
 
 def test_privacy_accountant_tighter_with_events():
-    acc = PrivacyAccountant()
+    acc = PrivacyTracker()
     sigma = sigma_for(epsilon=1.0, delta=1e-6)
     for r in range(10):
         acc.record_expenditure(1.0, 1e-6, round_num=r, event=GaussianEvent(sigma))
@@ -117,7 +117,7 @@ def test_privacy_accountant_tighter_with_events():
 
 
 def test_privacy_accountant_validates_before_recording():
-    acc = PrivacyAccountant()
+    acc = PrivacyTracker()
     with pytest.raises(InvalidParameter):
         acc.record_expenditure(-1.0, 1e-5, 1)
     with pytest.raises(TypeError):
