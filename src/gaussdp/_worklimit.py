@@ -52,15 +52,19 @@ def cpu_limit(seconds: float) -> Iterator[None]:
         _LIMIT.reset(token)
 
 
-@contextmanager
-def no_cpu_limit() -> Iterator[None]:
+class no_cpu_limit:  # used as a function: ``with no_cpu_limit():``
     """Lift the limit for the enclosed block: for work that must not fail half-way, e.g. the
-    bookkeeping after a charge was recorded (a cancelled request must have charged nothing)."""
-    token = _LIMIT.set(None)
-    try:
-        yield
-    finally:
-        _LIMIT.reset(token)
+    bookkeeping after a charge was recorded (a cancelled request must have charged nothing).
+
+    A class rather than a generator: it sits on every release's path (about 1 us less a call)."""
+
+    __slots__ = ("_token",)
+
+    def __enter__(self) -> None:
+        self._token = _LIMIT.set(None)
+
+    def __exit__(self, *exc: object) -> None:
+        _LIMIT.reset(self._token)
 
 
 def check_work_limit() -> None:
