@@ -56,6 +56,7 @@ SUBPROTOCOL = "gaussdp.v1"
 KEY_SUBPROTOCOL_PREFIX = "gaussdp.key."
 
 if TYPE_CHECKING:
+    from gaussdp.service.generation import Generations
     from gaussdp.service.streaming import StreamLimits
 
 T = TypeVar("T")
@@ -243,6 +244,8 @@ class Service:
         quotas: the tenants' quotas (:class:`~gaussdp.service.quotas.Quotas`).
         stream_limits: generation slots and time limits (:class:`~gaussdp.service.streaming.StreamLimits`).
         adapters: the LoRA adapters served in split mode: name -> (A, B, scaling, backend).
+        generations: the generations of the app (slots, model locks, each token charged before it
+            goes out), shared by every route that generates.
     """
 
     def __init__(
@@ -270,6 +273,14 @@ class Service:
         self.admin = gate.needs("admin")
         self.bounded = bounded(cpu_limit_s)
         self.lane = HeavyLane()  # CPU-heavy work of async routes, one piece at a time
+
+    @functools.cached_property
+    def generations(self) -> "Generations":
+        from gaussdp.service.generation import Generations
+        from gaussdp.service.streaming import StreamLimits
+
+        lim = self.stream_limits or StreamLimits()
+        return Generations(self, lim.max_streams, lim.max_streams_per_tenant)
 
     @staticmethod
     def principal(tenant: str, session_id: str) -> str:

@@ -14,16 +14,24 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from gaussdp._worklimit import cpu_limit, no_cpu_limit
 from gaussdp.budget import IdempotencyKeyUsed, Ledger, StoreUnavailable
 from gaussdp.errors import InvalidParameter, PrivacyError, WorkLimitExceeded
-from gaussdp.service.models import MAX_PROMPT_TOKENS, GeneratedToken, GenerateIn
+from gaussdp.service.errors import Refusal, code_of, detail_of
+from gaussdp.service.fairness import FairLock, TenantSlots
+from gaussdp.service.models import MAX_PROMPT_TOKENS, GeneratedToken, GenerateIn, Privacy
 
-__all__ = ["ChargePerToken", "Generation", "GenerationFailed"]
+if TYPE_CHECKING:
+    from gaussdp.service.auth import Caller
+    from gaussdp.service.deps import Service
+
+__all__ = ["ChargePerToken", "Collected", "Generation", "GenerationFailed", "Generations"]
 
 logger = logging.getLogger("gaussdp.service")
 
@@ -32,6 +40,9 @@ logger = logging.getLogger("gaussdp.service")
 # ranges it cannot release into before it charges): passed on as they are when no charge was
 # recorded in the step.
 _UNCHARGED = (PrivacyError, IdempotencyKeyUsed, StoreUnavailable, WorkLimitExceeded)
+# What a step may be refused with, nothing charged for that token (LedgerContention and
+# BudgetExhausted are PrivacyErrors).
+_REFUSALS = (*_UNCHARGED, Refusal)
 
 
 class GenerationFailed(RuntimeError):
@@ -182,6 +193,99 @@ class Generation:
             "sensitivity": float(p.sensitivity),
             "noise_multiplier": float(p.noise_multiplier),
         }
+
+
+def revoked() -> Refusal:
+    """The refusal of a generation whose API key was revoked (or expired) while it ran."""
+    return Refusal(
+        "unauthorized", "the API key was revoked or expired during the generation; nothing more was charged"
+    )
+
+
+@dataclass
+class Collected:
+    """The tokens of a generation run to its end (:meth:`Generations.collect`)."""
+
+    tokens: list[GeneratedToken] = field(default_factory=list)
+    finish: str = "length"  # "length", "eos", "budget_exhausted" or "error"
+    error: str | None = None
+    detail: str | None = None
+
+
+class Generations:
+    """The generations of one app, whatever route asks for them (gaussdp's ``generate`` routes and
+    the OpenAI-compatible ones): the tenants' generation slots, a fair lock per model, and how one
+    request's :class:`Generation` is made and stepped (each token charged before it is returned).
+
+    Built once per app by :attr:`gaussdp.service.deps.Service.generations`.
+    """
+
+    def __init__(self, svc: Service, max_streams: int, max_streams_per_tenant: int) -> None:
+        self.svc = svc
+        self.slots = TenantSlots(max_streams, max_streams_per_tenant)
+        self._locks: dict[str, FairLock] = {}
+        self._guard = threading.Lock()
+
+    def start(self, app: Any, body: GenerateIn, principal: str, who: Caller) -> Generation:
+        """A generation of ``body`` charged to ``principal`` by ``who`` (nothing computed yet).
+
+        Raises:
+            InvalidParameter: no such model, a bad layer or prompt.
+        """
+        svc = self.svc
+        model = (getattr(app.state, "models", None) or {}).get(body.model)
+        if model is None:
+            raise InvalidParameter(f"model: no model named {body.model!r} on this server")
+        tokenizer = (getattr(app.state, "tokenizers", None) or {}).get(body.model)
+        with self._guard:
+            lock = self._locks.setdefault(body.model, FairLock())
+        charges = ChargePerToken(svc.ledger, who.key_id, lambda r: svc.charged(who, r), svc.cpu_limit_s)
+        return Generation(
+            body,
+            model=model,
+            tokenizer=tokenizer,
+            lock=lock.turn(who.tenant),
+            principal=principal,
+            charges=charges,
+            noise=svc.noise,
+        )
+
+    def step(self, gen: Generation, who: Caller, index: int) -> GeneratedToken:
+        """Token ``index`` of ``gen``, charged; unless ``who``'s key was revoked (checked before the
+        pass that charges). Runs in a worker thread. Raises what :meth:`Generation.step` raises."""
+        if not self.svc.gate.alive(who):
+            raise revoked()
+        return gen.step(index)
+
+    def collect(self, gen: Generation, who: Caller, max_new_tokens: int) -> Collected:
+        """Every token of ``gen`` up to ``max_new_tokens`` (or the end of sequence), each charged.
+
+        A refusal (or failed pass) at the first token is raised: nothing was released. A later one
+        ends the generation: the tokens so far were charged and are returned, with the refusal's
+        code (``finish`` ``"budget_exhausted"`` or ``"error"``).
+        """
+        out = Collected()
+        for i in range(max_new_tokens):
+            try:
+                tok = self.step(gen, who, i)
+            except (*_REFUSALS, GenerationFailed) as exc:
+                if not out.tokens:
+                    raise
+                out.error, out.detail = code_of(exc), detail_of(exc)
+                out.finish = "budget_exhausted" if out.error == "budget_exhausted" else "error"
+                return out
+            out.tokens.append(tok)
+            if gen.eos is not None and tok.token_id == gen.eos:
+                out.finish = "eos"
+                return out
+        return out
+
+    def figures(self, principal: str, receipt: Any = None) -> dict[str, Privacy]:
+        """What ``principal`` has spent (as of ``receipt``) and what remains of its budget."""
+        ledger = self.svc.ledger
+        spent = ledger.spent(principal, as_of=receipt)
+        remaining = ledger.budget(principal).remaining(spent)
+        return {"spent": Privacy.of(spent), "remaining": Privacy.of(remaining)}
 
 
 def _check_block(model: Any, module: Any, layer: Any) -> None:

@@ -19,6 +19,7 @@ __all__ = [
     "GenerateIn",
     "GenerateOut",
     "GeneratedToken",
+    "GenerationPrivacy",
     "HiddenStateIn",
     "HiddenStateOut",
     "HistoryPage",
@@ -276,22 +277,15 @@ MAX_PROMPT_CHARS = 16_384
 LAYER_PATTERN = r"^[A-Za-z0-9_.]{1,200}$"
 
 
-class GenerateIn(_Strict):
-    """Greedy generation through a served model whose hidden state at ``layer`` is clipped and noised
-    for every token (:class:`gaussdp.inference.HiddenStatePrivatizer` semantics), one charge per token.
+class GenerationPrivacy(_Strict):
+    """How each token's hidden state is clipped and noised (and the charges' idempotency key): the
+    privacy fields of every generation request (gaussdp's ``generate`` and the OpenAI-compatible
+    routes, where they are extra fields of the body).
 
     The noise is given as ``sigma``, as ``noise_multiplier`` (``sigma / sensitivity``), or as a
     per-row ``epsilon`` and ``delta`` (calibrated exactly, analytic Gaussian).
     """
 
-    model: str = Field(min_length=1, max_length=128, description="Name of a model the server holds.")
-    prompt: str | None = Field(
-        None, min_length=1, max_length=MAX_PROMPT_CHARS, description="Text (needs the model's tokenizer)."
-    )
-    prompt_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
-        None, min_length=1, max_length=MAX_PROMPT_TOKENS, description="Token ids instead of text."
-    )
-    max_new_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS, description="Tokens to generate (each charged).")
     sigma: float | None = Field(None, gt=0, le=1e12, allow_inf_nan=False, description="Noise std.")
     noise_multiplier: float | None = Field(
         None, gt=0, le=1e12, allow_inf_nan=False, description="sigma / sensitivity, instead of sigma."
@@ -307,7 +301,6 @@ class GenerateIn(_Strict):
         )
     )
     neighbouring: Neighbouring = Field(DEFAULT_HIDDEN_STATE_NEIGHBOURING, description=_RELATION_HELP)
-    stop_at_eos: bool = Field(True, description="End after the tokenizer's end-of-sequence token.")
     idempotency_key: IdempotencyKey | None = Field(
         None,
         description="Token i is charged with key '<idempotency_key>/<i>': a retried request is refused "
@@ -315,14 +308,40 @@ class GenerateIn(_Strict):
     )
 
     @model_validator(mode="after")
-    def _one_prompt_one_noise(self) -> GenerateIn:
-        if (self.prompt is None) == (self.prompt_ids is None):
-            raise ValueError("give exactly one of prompt and prompt_ids")
+    def _one_noise(self) -> GenerationPrivacy:
         ways = [self.sigma is not None, self.noise_multiplier is not None, self.epsilon is not None]
         if sum(ways) != 1:
             raise ValueError("give exactly one of sigma, noise_multiplier, or epsilon (with delta)")
         if (self.epsilon is None) != (self.delta is None):
             raise ValueError("epsilon and delta go together")
+        return self
+
+    def privacy_fields(self) -> dict[str, Any]:
+        """These fields alone (to build a :class:`GenerateIn` from a request that holds them)."""
+        return {name: getattr(self, name) for name in GenerationPrivacy.model_fields}
+
+
+class GenerateIn(GenerationPrivacy):
+    """Generation through a served model whose hidden state at ``layer`` is clipped and noised for
+    every token (:class:`gaussdp.inference.HiddenStatePrivatizer` semantics), one charge per token.
+    Greedy unless a sampling field is given (sampling is post-processing of the noised state: no
+    extra charge).
+    """
+
+    model: str = Field(min_length=1, max_length=128, description="Name of a model the server holds.")
+    prompt: str | None = Field(
+        None, min_length=1, max_length=MAX_PROMPT_CHARS, description="Text (needs the model's tokenizer)."
+    )
+    prompt_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, min_length=1, max_length=MAX_PROMPT_TOKENS, description="Token ids instead of text."
+    )
+    max_new_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS, description="Tokens to generate (each charged).")
+    stop_at_eos: bool = Field(True, description="End after the tokenizer's end-of-sequence token.")
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateIn:
+        if (self.prompt is None) == (self.prompt_ids is None):
+            raise ValueError("give exactly one of prompt and prompt_ids")
         return self
 
 

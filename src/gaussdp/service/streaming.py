@@ -105,7 +105,6 @@ import asyncio
 import json
 import logging
 import re
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,17 +130,14 @@ from gaussdp.service.errors import responses as error_responses
 from gaussdp.service.fairness import (
     DEFAULT_MAX_STREAMS,
     DEFAULT_MAX_STREAMS_PER_TENANT,
-    FairLock,
     TenantSlots,
 )
-from gaussdp.service.generation import ChargePerToken, Generation, GenerationFailed
+from gaussdp.service.generation import Generation, GenerationFailed, revoked
 from gaussdp.service.models import (
     SESSION_ID_PATTERN,
     ErrorOut,
-    GeneratedToken,
     GenerateIn,
     GenerateOut,
-    Privacy,
 )
 
 __all__ = [
@@ -198,55 +194,19 @@ class StreamLimits:
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {name}={value!r}")
 
 
-def _revoked() -> Refusal:
-    return Refusal(
-        "unauthorized", "the API key was revoked or expired during the generation; nothing more was charged"
-    )
-
-
 def generation_router(svc: Service) -> APIRouter:
     """The ``generate`` routes (POST and WebSocket) of :func:`gaussdp.service.app.create_app`, with
     the upgrade GET's OpenAPI entry (:func:`document_websocket`), over ``svc``: its gate (the
     WebSocket route authenticates from the upgrade request), ledger and ``stream_limits`` (fair
     shares and time limits; default :class:`StreamLimits`)."""
-    ledger, gate, noise, cpu_limit_s = svc.ledger, svc.gate, svc.noise, svc.cpu_limit_s
-    owned, on_charged, on_refused = svc.owned, svc.charged, svc.refused
+    gate, owned, on_refused = svc.gate, svc.owned, svc.refused
     releaser = Annotated[Caller, Depends(svc.releaser)]
     responses = error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503)
     lim = svc.stream_limits or StreamLimits()
     router = APIRouter(tags=["inference"])
-    model_locks: dict[str, FairLock] = {}
-    slots = TenantSlots(lim.max_streams, lim.max_streams_per_tenant)
-    guard = threading.Lock()
-
-    def generation(app: Any, body: GenerateIn, p: str, who: Caller) -> Generation:
-        models = getattr(app.state, "models", None) or {}
-        model = models.get(body.model)
-        if model is None:
-            raise InvalidParameter(f"model: no model named {body.model!r} on this server")
-        tokenizer = (getattr(app.state, "tokenizers", None) or {}).get(body.model)
-        with guard:
-            lock = model_locks.setdefault(body.model, FairLock())
-        charges = ChargePerToken(ledger, who.key_id, lambda r: on_charged(who, r), cpu_limit_s)
-        return Generation(
-            body,
-            model=model,
-            tokenizer=tokenizer,
-            lock=lock.turn(who.tenant),
-            principal=p,
-            charges=charges,
-            noise=noise,
-        )
-
-    def checked_step(gen: Generation, who: Caller, i: int) -> GeneratedToken:
-        """Token ``i``, unless the caller's key was revoked (checked before the pass that charges)."""
-        if not gate.alive(who):
-            raise _revoked()
-        return gen.step(i)
-
-    def spent_remaining(p: str, receipt: Any = None) -> dict[str, Privacy]:
-        spent = ledger.spent(p, as_of=receipt)
-        return {"spent": Privacy.of(spent), "remaining": Privacy.of(ledger.budget(p).remaining(spent))}
+    gens = svc.generations
+    slots = gens.slots
+    generation, checked_step, spent_remaining = gens.start, gens.step, gens.figures
 
     @router.post(
         "/v1/sessions/{session_id}/generate",
@@ -279,32 +239,14 @@ def generation_router(svc: Service) -> APIRouter:
         slots.acquire(who.tenant)
         try:
             gen = generation(request.app, body, p, who)
-            tokens: list[GeneratedToken] = []
-            finish, error, detail = "length", None, None
-            for i in range(body.max_new_tokens):
-                try:
-                    tok = checked_step(gen, who, i)
-                except (*_REFUSALS, PrivacyError) as exc:  # nothing charged for this token
-                    if not tokens:
-                        raise
-                    # the tokens so far were charged: they are answered, with the refusal
-                    error, detail = code_of(exc), detail_of(exc)
-                    finish = "budget_exhausted" if error == "budget_exhausted" else "error"
-                    break
-                except GenerationFailed as exc:
-                    if not tokens:
-                        on_refused("generation_failed")
-                        return JSONResponse({"detail": str(exc), "error": "generation_failed"}, 500)
-                    # the tokens so far were charged: they are answered, with what failed and whether
-                    # that token was charged too
-                    error, detail, finish = "generation_failed", str(exc), "error"
-                    break
-                tokens.append(tok)
-                if gen.eos is not None and tok.token_id == gen.eos:
-                    finish = "eos"
-                    break
+            try:
+                got = gens.collect(gen, who, body.max_new_tokens)
+            except GenerationFailed as exc:  # at the first token: nothing was released
+                on_refused("generation_failed")
+                return JSONResponse({"detail": str(exc), "error": "generation_failed"}, 500)
         finally:
             slots.release(who.tenant)
+        tokens, finish, error, detail = got.tokens, got.finish, got.error, got.detail
         figures = spent_remaining(p, gen.last_receipt)
         return GenerateOut(
             stream_id=gen.stream_id,
@@ -557,7 +499,7 @@ def generation_router(svc: Service) -> APIRouter:
                     except TimeoutError:
                         pass
                     if not await run_in_threadpool(gate.alive, who):
-                        await self.fail(_revoked())
+                        await self.fail(revoked())
                         return
                 if self.gone:
                     return  # charges == tokens sent: nothing is in flight
