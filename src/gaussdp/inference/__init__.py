@@ -2,7 +2,8 @@
 
 * :class:`HiddenStatePrivatizer`: a forward hook that clips each token's (or sequence's) hidden
   state, charges the session's ledger, adds calibrated Gaussian noise, and removes itself cleanly.
-* :func:`stream_generate`: greedy streaming generation, charged per request and per new token.
+* :func:`stream_generate`: streaming generation, charged per request and per new token; greedy,
+  or sampled by a :class:`Sampler` (post-processing of the noised state: no extra charge).
 * Split mode (the private inference server): :func:`client_forward` / :func:`server_lora_delta` /
   :func:`client_finish`, with a :class:`LoRABackend` for the server's delta computation
   (:class:`PlainLoRABackend`; :class:`CKKSLoRABackend` with TenSEAL, optional).
@@ -36,6 +37,7 @@ from gaussdp.inference.diagnostics import (
 )
 from gaussdp.inference.generation import stream_generate
 from gaussdp.inference.privatizer import HiddenStatePrivatizer, ReleaseStats
+from gaussdp.inference.sampling import Sampler
 from gaussdp.inference.split import (
     client_finish,
     client_forward,
@@ -53,6 +55,7 @@ __all__ = [
     "PlainLoRABackend",
     "ReleaseStats",
     "SNRFigures",
+    "Sampler",
     "UtilityReport",
     "analytic_snr",
     "ckks_lora_delta",

@@ -18,7 +18,7 @@ between two tokens stay clean (and uncharged) unless the caller attached the pri
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -57,8 +57,10 @@ def stream_generate(
     max_new_tokens: int,
     session_id: str | None = None,
     use_cache: bool = True,
+    sample: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Iterator[torch.Tensor]:
-    """Greedy decoding that yields each new token id tensor ``(batch,)`` as soon as it is computed.
+    """Decoding (greedy by default) that yields each new token id tensor ``(batch,)`` as soon as it
+    is computed.
 
     Args:
         model: the model ``privatizer`` is hooked into; called as ``model(ids)``, or, when it takes a
@@ -73,6 +75,9 @@ def stream_generate(
         use_cache: use the model's key/value cache when it takes one. A model that takes one but
             returns none is run without it from then on (each pass re-releases, and is charged
             for, the whole sequence).
+        sample: picks the next token of each row of the last position's logits ``(batch, vocab)``
+            (a :class:`gaussdp.inference.sampling.Sampler`); default argmax. Post-processing of the
+            noised state: it adds no charge (Dwork & Roth 2014, Proposition 2.1).
 
     Raises:
         BudgetExhausted: the session's budget refused a step (propagates from the hook).
@@ -108,7 +113,8 @@ def stream_generate(
             else:
                 out = model(step_input, use_cache=True, **{cache_name: cache})
         logits = out if isinstance(out, torch.Tensor) else out.logits if hasattr(out, "logits") else out[0]
-        next_token = logits[:, -1, :].argmax(dim=-1)
+        last = logits[:, -1, :]
+        next_token = last.argmax(dim=-1) if sample is None else sample(last)
         yield next_token
         ids = torch.cat([ids, next_token[:, None]], dim=1)
         if cache_name is not None:

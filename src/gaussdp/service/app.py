@@ -54,6 +54,7 @@ from gaussdp.service.deps import Gate, Service
 from gaussdp.service.limits import BodySizeLimit, RateLimiter, SharedRateLimiter
 from gaussdp.service.meta import health_router, metrics_router, time_requests
 from gaussdp.service.metrics import Metrics
+from gaussdp.service.openai_api import openai_router
 from gaussdp.service.quotas import Quotas
 from gaussdp.service.releases import lora_adapters as check_lora_adapters
 from gaussdp.service.releases import releases_router
@@ -210,6 +211,7 @@ def create_app(
 
         app.include_router(ckks_router(svc))
     app.include_router(generation_router(svc))
+    app.include_router(openai_router(svc))
     if metrics != "off":
         metrics_router(svc, metrics, app.router)
     if text != "off":

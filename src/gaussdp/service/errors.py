@@ -25,10 +25,11 @@ from typing import Any
 from fastapi import HTTPException
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gaussdp.service.models import ErrorOut, InvalidOut
+from gaussdp.service.models import ErrorOut, InvalidOut, OpenAIErrorOut
 
 __all__ = [
     "ERRORS",
+    "OPENAI_PATHS",
     "ErrorKind",
     "Refusal",
     "close_code",
@@ -130,6 +131,11 @@ _ROWS = (
 #: Every refusal of the service, by code.
 ERRORS: dict[str, ErrorKind] = {row.code: row for row in _ROWS}
 
+#: The routes whose error bodies take OpenAI's shape, ``{"error": {"message", "type", "code",
+#: "param"}, "detail"}`` (:class:`~gaussdp.service.models.OpenAIErrorOut`), so that an OpenAI client
+#: shows the message: the same rows, statuses and headers as every other route.
+OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
 # The code of an HTTPException raised without one (FastAPI's own 400 and 422, a 404 from a route).
 _DEFAULT_CODE = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found"}
 _DEFAULT_CODE |= {413: "too_large", 422: "invalid", 429: "rate_limited", 503: "database_unavailable"}
@@ -212,7 +218,11 @@ def install(app: Any, on_refused: Callable[[str], None]) -> None:
     from starlette.routing import Match
 
     def answer(
-        code: str, detail: Any, headers: dict[str, str] | None = None, error: str | None = None
+        request: Any,
+        code: str,
+        detail: Any,
+        headers: dict[str, str] | None = None,
+        error: str | None = None,
     ) -> Any:
         kind = ERRORS[code]
         headers = dict(headers or {})
@@ -220,9 +230,10 @@ def install(app: Any, on_refused: Callable[[str], None]) -> None:
             headers.setdefault("Retry-After", "1")
         if code == "unauthorized":
             headers.setdefault("WWW-Authenticate", "Bearer")
-        return JSONResponse(
-            {"detail": detail, "error": error or code}, status_code=kind.status, headers=headers
-        )
+        body: dict[str, Any] = {"detail": detail, "error": error or code}
+        if request.scope.get("path") in OPENAI_PATHS:
+            body["error"] = {"message": str(detail), "type": error or code, "code": code, "param": None}
+        return JSONResponse(body, status_code=kind.status, headers=headers)
 
     async def library(request: Any, exc: Exception) -> Any:
         code = code_of(exc)
@@ -231,9 +242,9 @@ def install(app: Any, on_refused: Callable[[str], None]) -> None:
             import logging
 
             logging.getLogger("gaussdp.service").warning("ledger database unavailable: %s", exc)
-            return answer(code, "the ledger's database cannot be reached; nothing was released")
+            return answer(request, code, "the ledger's database cannot be reached; nothing was released")
         # a PrivacyError other than the ones above keeps its class name (InvalidParameter, UnsafeInput)
-        return answer(code, str(exc), error=type(exc).__name__ if code == "invalid" else None)
+        return answer(request, code, str(exc), error=type(exc).__name__ if code == "invalid" else None)
 
     for cls, _ in _library_codes():
         app.add_exception_handler(cls, library)
@@ -244,7 +255,12 @@ def install(app: Any, on_refused: Callable[[str], None]) -> None:
             {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
             for e in exc.errors()
         ]
-        return JSONResponse({"detail": errors}, status_code=422)
+        body: dict[str, Any] = {"detail": errors}
+        if request.scope.get("path") in OPENAI_PATHS:
+            message = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
+            param = ".".join(map(str, errors[0]["loc"][1:])) if errors and errors[0]["loc"] else None
+            body["error"] = {"message": message, "type": "invalid", "code": "invalid", "param": param or None}
+        return JSONResponse(body, status_code=422)
 
     app.add_exception_handler(RequestValidationError, validation)
 
@@ -263,7 +279,7 @@ def install(app: Any, on_refused: Callable[[str], None]) -> None:
             return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=headers)
         if isinstance(exc, Refusal) or exc.status_code in (401, 403, 429):
             on_refused(code)
-        return answer(code, exc.detail, headers)
+        return answer(request, code, exc.detail, headers)
 
     app.add_exception_handler(StarletteHTTPException, http)
 
@@ -274,16 +290,17 @@ _RETRY_AFTER = {
 }
 
 
-def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+def responses(*statuses: int, openai: bool = False) -> dict[int | str, dict[str, Any]]:
     """The OpenAPI entries of the error statuses a route can answer: each lists the codes of that
-    status (from :data:`ERRORS`), with the body schema and the headers they carry."""
+    status (from :data:`ERRORS`), with the body schema and the headers they carry (``openai``: the
+    body of :data:`OPENAI_PATHS`, :class:`~gaussdp.service.models.OpenAIErrorOut`)."""
     out: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
         rows = [r for r in _ROWS if r.status == status and r.http]
         if not rows:
             raise ValueError(f"status {status} is not in the error table")
         entry: dict[str, Any] = {
-            "model": InvalidOut if status == 422 else ErrorOut,
+            "model": OpenAIErrorOut if openai else InvalidOut if status == 422 else ErrorOut,
             "description": "; ".join(f"`{r.code}`: {r.summary}" for r in rows) + ".",
         }
         headers: dict[str, Any] = {}

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from gaussdp.service.auth import Caller
     from gaussdp.service.deps import Service
 
-__all__ = ["ChargePerToken", "Collected", "Generation", "GenerationFailed", "Generations"]
+__all__ = ["STEP_REFUSALS", "ChargePerToken", "Collected", "Generation", "GenerationFailed", "Generations"]
 
 logger = logging.getLogger("gaussdp.service")
 
@@ -42,7 +42,7 @@ logger = logging.getLogger("gaussdp.service")
 _UNCHARGED = (PrivacyError, IdempotencyKeyUsed, StoreUnavailable, WorkLimitExceeded)
 # What a step may be refused with, nothing charged for that token (LedgerContention and
 # BudgetExhausted are PrivacyErrors).
-_REFUSALS = (*_UNCHARGED, Refusal)
+STEP_REFUSALS = (*_UNCHARGED, Refusal)
 
 
 class GenerationFailed(RuntimeError):
@@ -116,7 +116,7 @@ class Generation:
         noise: str,
     ) -> None:
         from gaussdp._neighbouring import hidden_state_sensitivity
-        from gaussdp.inference import HiddenStatePrivatizer, stream_generate
+        from gaussdp.inference import HiddenStatePrivatizer, Sampler, stream_generate
 
         self.stream_id = body.idempotency_key or secrets.token_urlsafe(12)
         self.tokenizer = tokenizer
@@ -144,8 +144,20 @@ class Generation:
         _check_block(model, self.privatizer.module, body.layer)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos = eos if body.stop_at_eos else None
+        # sampling is post-processing of the noised state: it adds no charge (Dwork & Roth, Prop. 2.1)
+        self.sampler = Sampler(
+            temperature=body.temperature or 0.0,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            seed=body.seed,
+        )
         self._tokens = stream_generate(
-            model, ids, privatizer=self.privatizer, max_new_tokens=body.max_new_tokens, session_id=principal
+            model,
+            ids,
+            privatizer=self.privatizer,
+            max_new_tokens=body.max_new_tokens,
+            session_id=principal,
+            sample=None if self.sampler.greedy else self.sampler,
         )
 
     def step(self, index: int) -> GeneratedToken:
@@ -192,6 +204,7 @@ class Generation:
             "neighbouring": p.neighbouring,
             "sensitivity": float(p.sensitivity),
             "noise_multiplier": float(p.noise_multiplier),
+            "sampler_private": self.sampler.private,
         }
 
 
@@ -268,7 +281,7 @@ class Generations:
         for i in range(max_new_tokens):
             try:
                 tok = self.step(gen, who, i)
-            except (*_REFUSALS, GenerationFailed) as exc:
+            except (*STEP_REFUSALS, GenerationFailed) as exc:
                 if not out.tokens:
                     raise
                 out.error, out.detail = code_of(exc), detail_of(exc)

@@ -26,9 +26,11 @@ __all__ = [
     "InvalidOut",
     "LoraDeltaIn",
     "LoraDeltaOut",
+    "OpenAIErrorOut",
     "ReadyOut",
     "ReleaseIn",
     "ReleaseOut",
+    "Sampling",
     "SessionIn",
     "SessionOut",
 ]
@@ -87,6 +89,21 @@ class InvalidOut(BaseModel):
 
     detail: str | list[ValidationIssue]
     error: str | None = Field(None, description="e.g. work_limit_exceeded, InvalidParameter.")
+
+
+class OpenAIError(BaseModel):
+    message: str = Field(description="What went wrong, for people (the openai client shows it).")
+    type: str = Field(description="The code of the service's error table (e.g. budget_exhausted).")
+    code: str = Field(description="The same code.")
+    param: str | None = Field(None, description="The field at fault, when one is.")
+
+
+class OpenAIErrorOut(BaseModel):
+    """The error body of the OpenAI-compatible routes: OpenAI's shape (``error`` an object), with
+    the service's ``detail`` beside it."""
+
+    error: OpenAIError
+    detail: str | list[ValidationIssue]
 
 
 class BudgetIn(_Strict):
@@ -321,7 +338,30 @@ class GenerationPrivacy(_Strict):
         return {name: getattr(self, name) for name in GenerationPrivacy.model_fields}
 
 
-class GenerateIn(GenerationPrivacy):
+class Sampling(_Strict):
+    """How the next token is picked from the noised model's logits: greedy (the default, and
+    ``temperature`` 0) or sampled. Post-processing of the noised hidden state: no extra charge
+    (Dwork & Roth 2014, Proposition 2.1). The sampler's randomness comes from OS entropy unless
+    ``seed`` is given (reproducible draws; the answer then says the sampler is not private)."""
+
+    temperature: float | None = Field(
+        None, ge=0, le=100, allow_inf_nan=False, description="0 or absent: greedy; > 0: sampled."
+    )
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, description="Nucleus (top-p) mass.")
+    top_k: int | None = Field(None, ge=0, le=1 << 20, description="Keep the k most likely tokens (0: all).")
+    seed: int | None = Field(
+        None,
+        ge=0,
+        lt=1 << 63,
+        description="Reproducible sampling (not private for the sampler); default OS entropy.",
+    )
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """These fields alone (to build a :class:`GenerateIn` from a request that holds them)."""
+        return {name: getattr(self, name) for name in Sampling.model_fields}
+
+
+class GenerateIn(GenerationPrivacy, Sampling):
     """Generation through a served model whose hidden state at ``layer`` is clipped and noised for
     every token (:class:`gaussdp.inference.HiddenStatePrivatizer` semantics), one charge per token.
     Greedy unless a sampling field is given (sampling is post-processing of the noised state: no
@@ -371,5 +411,8 @@ class GenerateOut(BaseModel):
     neighbouring: Neighbouring
     sensitivity: float
     noise_multiplier: float
+    sampler_private: bool = Field(
+        True, description="False when the sampler was seeded (reproducible draws; the noise is not)."
+    )
     spent: Privacy
     remaining: Privacy
