@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import click
 import typer
 
 from gaussdp.cli._output import JSON_HELP
@@ -73,6 +74,20 @@ def serve(
         "--model",
         help="NAME=PATH: a Hugging Face causal LM in a local directory (with its tokenizer, if saved "
         "there), loaded at start-up and served by /v1/sessions/{id}/generate (POST and WebSocket).",
+    ),
+    dtype: str = typer.Option(
+        "auto",
+        "--dtype",
+        envvar="GAUSSDP_MODEL_DTYPE",
+        click_type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+        help="dtype of the --model weights: auto keeps what the checkpoint holds.",
+    ),
+    device: str = typer.Option(
+        "auto",
+        "--device",
+        envvar="GAUSSDP_MODEL_DEVICE",
+        click_type=click.Choice(["auto", "cpu", "cuda"]),
+        help="Where the --model weights run: auto is CUDA when present, else the CPU.",
     ),
     adapter: list[str] = typer.Option(
         [],
@@ -155,7 +170,14 @@ def serve(
 
     try:
         from gaussdp.budget import Ledger
-        from gaussdp.service.config import ADAPTERS_ENV, ENV, MODELS_ENV, settings_from_env
+        from gaussdp.service.config import (
+            ADAPTERS_ENV,
+            DEVICE_ENV,
+            DTYPE_ENV,
+            ENV,
+            MODELS_ENV,
+            settings_from_env,
+        )
         from gaussdp.service.server import serve_factory
     except ImportError:
         _missing_extra()
@@ -192,14 +214,17 @@ def serve(
             os.environ.pop(ENV[name], None)
         else:
             os.environ[ENV[name]] = str(value)
-    models, adapters = _load_models_and_adapters(model, adapter)  # fail before listening
+    models, adapters = _load_models_and_adapters(model, adapter, dtype, device)  # fail before listening
     for name, spec in adapters.items():
         a, b, scaling = spec
         typer.echo(
             f"adapter {name}: LoRA rank {a.shape[0]}, {a.shape[1]} -> {b.shape[0]}, scaling {scaling:g}"
         )
     for name in models:
-        typer.echo(f"model {name}: {type(models[name]).__name__}")
+        first = next(models[name].parameters(), None)
+        where = "" if first is None else f", {str(first.dtype).removeprefix('torch.')} on {first.device}"
+        typer.echo(f"model {name}: {type(models[name]).__name__}{where}")
+    os.environ[DTYPE_ENV], os.environ[DEVICE_ENV] = dtype, device
     del models, adapters  # each worker loads its own copy (gaussdp.service.config.app_from_env)
     for var, specs in ((MODELS_ENV, model), (ADAPTERS_ENV, adapter)):
         if specs:
@@ -331,7 +356,9 @@ def worker(
         pass
 
 
-def _load_models_and_adapters(model: list[str], adapter: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _load_models_and_adapters(
+    model: list[str], adapter: list[str], dtype: str = "auto", device: str = "auto"
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Parse and load ``--model`` / ``--adapter`` once; a bad one stops the server before it starts."""
     try:
         from gaussdp.service.loading import load_causal_lm, load_lora_adapter, parse_named_paths
@@ -344,7 +371,9 @@ def _load_models_and_adapters(model: list[str], adapter: list[str]) -> tuple[dic
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     try:
-        models = {name: load_causal_lm(path) for name, path in model_paths.items()}
+        models = {
+            name: load_causal_lm(path, dtype=dtype, device=device) for name, path in model_paths.items()
+        }
         adapters = {name: load_lora_adapter(path) for name, path in adapter_paths.items()}
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

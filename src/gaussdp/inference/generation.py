@@ -97,7 +97,9 @@ def stream_generate(
         raise InvalidParameter(
             f"max_new_tokens must be an integer >= 1, got max_new_tokens={max_new_tokens!r}"
         )
-    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    # the prompt goes where the model's weights are (gaussdp serve --device)
+    device = next((p.device for p in model.parameters()), None)
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
     if ids.dim() == 1:
         ids = ids[None, :]
     session = session_id or privatizer.session_id

@@ -111,6 +111,9 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any
 # ``gaussdp serve --model/--adapter``: NAME=PATH specs, one per line, loaded by each worker at start-up.
 MODELS_ENV = "GAUSSDP_MODELS"
 ADAPTERS_ENV = "GAUSSDP_ADAPTERS"
+# ``gaussdp serve --dtype/--device``: how every worker loads the --model checkpoints.
+DTYPE_ENV = "GAUSSDP_MODEL_DTYPE"
+DEVICE_ENV = "GAUSSDP_MODEL_DEVICE"
 
 
 def _named_paths(var: str, environ: Mapping[str, str]) -> list[str]:
@@ -148,7 +151,8 @@ def app_from_env() -> Any:
         )
 
         model_paths = parse_named_paths("--model", model_specs)
-        models = {n: load_causal_lm(p) for n, p in model_paths.items()}
+        how = {"dtype": os.environ.get(DTYPE_ENV) or "auto", "device": os.environ.get(DEVICE_ENV) or "auto"}
+        models = {n: load_causal_lm(p, **how) for n, p in model_paths.items()}
         tokenizers = {n: t for n, p in model_paths.items() if (t := load_tokenizer(p)) is not None}
         adapters = {n: load_lora_adapter(p) for n, p in parse_named_paths("--adapter", adapter_specs).items()}
     app = create_app(**settings_from_env(), lora_adapters=adapters or None, model_paths=model_paths)

@@ -63,10 +63,10 @@ class BodySizeLimit:
                 try:
                     declared = int(value)
                 except ValueError:
-                    await _reply(send, 400, "invalid Content-Length header")
+                    await _reply(send, 400, "invalid Content-Length header", path)
                     return
                 if declared > limit:
-                    await _reply(send, 413, BodyTooLarge(limit, own_limit=own is not None).detail)
+                    await _reply(send, 413, BodyTooLarge(limit, own_limit=own is not None).detail, path)
                     return
         received = 0
         started = False
@@ -91,11 +91,17 @@ class BodySizeLimit:
         except BodyTooLarge as exc:
             if started:
                 raise
-            await _reply(send, 413, exc.detail)
+            await _reply(send, 413, exc.detail, path)
 
 
-async def _reply(send: Any, status: int, detail: str) -> None:
-    body = json.dumps({"detail": detail}).encode()
+async def _reply(send: Any, status: int, detail: str, path: str) -> None:
+    from gaussdp.service.errors import OPENAI_PATHS
+
+    answer: dict[str, Any] = {"detail": detail}
+    if path in OPENAI_PATHS:  # OpenAI's shape, so that an OpenAI client shows the message
+        code = "too_large" if status == 413 else "bad_request"
+        answer["error"] = {"message": detail, "type": code, "code": code, "param": None}
+    body = json.dumps(answer).encode()
     await send(
         {
             "type": "http.response.start",

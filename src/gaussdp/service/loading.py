@@ -18,7 +18,20 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_causal_lm", "load_lora_adapter", "load_tokenizer", "parse_named_paths"]
+__all__ = [
+    "DEVICES",
+    "DTYPES",
+    "load_causal_lm",
+    "load_lora_adapter",
+    "load_tokenizer",
+    "parse_named_paths",
+    "resolve_device",
+]
+
+#: ``gaussdp serve --dtype``: ``auto`` keeps what the checkpoint holds (its config's dtype).
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+#: ``gaussdp serve --device``: ``auto`` is CUDA when a CUDA device is present, else the CPU.
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def parse_named_paths(option: str, values: list[str] | None) -> dict[str, str]:
@@ -41,15 +54,39 @@ def _directory(kind: str, path: str | Path) -> Path:
     return p
 
 
-def load_causal_lm(path: str | Path) -> Any:
-    """A Hugging Face causal LM from a local directory, in eval mode (``local_files_only``)."""
+def resolve_device(device: str = "auto") -> str:
+    """``"cpu"`` or ``"cuda"``: ``auto`` picks CUDA when present; ``cuda`` without one is refused."""
+    import torch
+
+    if device not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available to this process")
+    return device
+
+
+def load_causal_lm(path: str | Path, *, dtype: str = "auto", device: str = "auto") -> Any:
+    """A Hugging Face causal LM from a local directory, in eval mode (``local_files_only``), in
+    ``dtype`` (``auto``: the checkpoint's) on ``device`` (:func:`resolve_device`).
+
+    The privatizer's noise stays float-safe whatever the dtype (it is drawn and added as
+    :mod:`gaussdp.inference.privatizer` says for bfloat16 and float16 states).
+    """
+    import torch
     from transformers import AutoModelForCausalLM
 
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    where = resolve_device(device)
     p = _directory("model", path)
+    torch_dtype: Any = dtype if dtype == "auto" else getattr(torch, dtype)
     try:
-        return AutoModelForCausalLM.from_pretrained(p, local_files_only=True).eval()
+        model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=torch_dtype)
     except (OSError, ValueError) as exc:
         raise ValueError(f"model {str(p)!r} could not be loaded as a causal LM: {exc}") from None
+    return model.to(where).eval()
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -73,7 +73,11 @@ __all__ = ["DEFAULT_MAX_TOKENS", "ChatIn", "CompletionIn", "TextStream", "openai
 logger = logging.getLogger("gaussdp.service")
 
 DEFAULT_MAX_TOKENS = 16
-MAX_MESSAGES = 256
+# a chat's prompt is at most MAX_PROMPT_TOKENS tokens: these bounds keep its largest body (and one
+# just past them) well under the service's default body limit
+MAX_MESSAGES = 32
+MAX_MESSAGE_CHARS = 4096
+MAX_PARTS = 4
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 SESSION_HEADER = "X-GaussDP-Session"
 
@@ -84,7 +88,7 @@ _STEP_REFUSALS = (*STEP_REFUSALS, GenerationFailed)
 class _TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
-    text: str = Field(max_length=MAX_PROMPT_CHARS)
+    text: str = Field(max_length=MAX_MESSAGE_CHARS // MAX_PARTS)
 
 
 class ChatMessage(BaseModel):
@@ -93,8 +97,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: (
-        Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
-        | Annotated[list[_TextPart], Field(min_length=1, max_length=MAX_MESSAGES)]
+        Annotated[str, Field(max_length=MAX_MESSAGE_CHARS)]
+        | Annotated[list[_TextPart], Field(min_length=1, max_length=MAX_PARTS)]
     )
     name: str | None = Field(None, max_length=64)
 
@@ -119,9 +123,11 @@ class _OpenAIIn(GenerationPrivacy, Sampling):
     stream: bool = Field(False, description="Server-Sent Events, one per token.")
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="One choice per request.")
-    stop: str | list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
-        None, description=f"Up to {MAX_STOP} stop sequences (text; not included in the answer)."
-    )
+    stop: (
+        Annotated[str, Field(min_length=1, max_length=256)]
+        | Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=MAX_STOP)]
+        | None
+    ) = Field(None, description=f"Up to {MAX_STOP} stop sequences (text; not included in the answer).")
     user: str | None = Field(None, max_length=256, description="Accepted and ignored.")
     ignore_eos: bool = Field(False, description="Go on past the end-of-sequence token (as vLLM's).")
     session_id: str | None = Field(
