@@ -49,11 +49,12 @@ def _serve(monkeypatch, args):  # type: ignore[no-untyped-def]
         assert factory == "gaussdp.service.config:app_from_env"
         started["app"] = config.app_from_env()
 
-    for var in (*config.ENV.values(), config.MODELS_ENV, config.ADAPTERS_ENV):
+    served = (config.MODELS_ENV, config.ADAPTERS_ENV, config.DTYPE_ENV, config.DEVICE_ENV)
+    for var in (*config.ENV.values(), *served):
         monkeypatch.delenv(var, raising=False)  # restored by monkeypatch after the test
     monkeypatch.setattr(server, "serve_factory", fake_serve_factory)
     result = CliRunner().invoke(build_app(), ["serve", *args])
-    for var in (*config.ENV.values(), config.MODELS_ENV, config.ADAPTERS_ENV):
+    for var in (*config.ENV.values(), *served):
         monkeypatch.delenv(var, raising=False)
     return result, started.get("app")
 
@@ -110,3 +111,34 @@ def test_serve_refuses_what_is_not_a_local_directory(saved, tmp_path, monkeypatc
         assert result.exit_code == 2, (args, result.output)
         assert message in " ".join(result.output.replace("│", " ").split()), (args, result.output)
         assert app is None  # the server never started
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_serve_loads_the_model_in_the_dtype_asked_on_the_cpu(saved, tmp_path, monkeypatch, dtype):
+    root, *_ = saved
+    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    args = ["--db", db, "--model", f"tiny={root / 'model'}", "--dtype", dtype, "--device", "cpu"]
+    result, app = _serve(monkeypatch, args)
+    assert result.exit_code == 0, result.output
+    weights = {p.dtype for p in app.state.models["tiny"].parameters()}
+    assert weights == {getattr(torch, dtype)}
+    assert {p.device.type for p in app.state.models["tiny"].parameters()} == {"cpu"}
+    assert f"model tiny: GPT2LMHeadModel, {dtype} on cpu" in result.output
+
+
+def test_serve_keeps_the_checkpoint_s_dtype_by_default_and_refuses_a_missing_device(
+    saved, tmp_path, monkeypatch
+):
+    root, *_ = saved
+    half = tmp_path / "half"
+    transformers.GPT2LMHeadModel.from_pretrained(root / "model", dtype=torch.float16).save_pretrained(half)
+    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    result, app = _serve(monkeypatch, ["--db", db, "--model", f"tiny={half}"])
+    assert result.exit_code == 0, result.output
+    assert {p.dtype for p in app.state.models["tiny"].parameters()} == {torch.float16}
+    result, app = _serve(monkeypatch, ["--db", db, "--model", f"tiny={half}", "--dtype", "int8"])
+    assert result.exit_code == 2 and app is None
+    if not torch.cuda.is_available():
+        result, app = _serve(monkeypatch, ["--db", db, "--model", f"tiny={half}", "--device", "cuda"])
+        assert result.exit_code == 2 and app is None
+        assert "no CUDA device" in " ".join(result.output.replace("│", " ").split()), result.output
