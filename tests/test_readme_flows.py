@@ -122,7 +122,9 @@ def _run_flow(name: str, cwd: Path, timeout_s: float) -> str:
 
 
 def test_readme_inference_flow(tmp_path: Path) -> None:
+    pytest.importorskip("openai")  # the flow shows the official OpenAI client too
     out = _run_flow("inference", tmp_path, timeout_s=300)
+    assert re.search(r"openai: .* \(\d+ chunks\)", out), out  # the OpenAI client streamed
     spent = float(re.search(r"spent epsilon ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
     assert 0 < spent <= 8.0, out
 

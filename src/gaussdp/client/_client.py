@@ -450,7 +450,10 @@ class GaussDPClient(FinetuneCalls):
         """The whole generation in one call (``POST /generate``), each token charged before the answer.
 
         ``privacy``: ``sigma=``, ``noise_multiplier=`` or ``epsilon=`` and ``delta=`` (per row), and
-        optionally ``clip_norm=``, ``layer=``, ``neighbouring=``, ``stop_at_eos=``. When the budget
+        optionally ``clip_norm=``, ``layer=``, ``neighbouring=``, ``stop_at_eos=``, and the sampling
+        fields ``temperature=``, ``top_p=``, ``top_k=``, ``seed=`` (post-processing of the noised
+        state: no extra charge; greedy without them). The OpenAI-compatible routes take any OpenAI
+        client (see docs/guides/inference.md, "OpenAI-compatible API"). When the budget
         runs out mid-way the answer holds the tokens so far (``finish_reason="budget_exhausted"``);
         at the first token :class:`BudgetExhausted` is raised.
         """
