@@ -83,7 +83,7 @@ def load_causal_lm(path: str | Path, *, dtype: str = "auto", device: str = "auto
     p = _directory("model", path)
     torch_dtype: Any = dtype if dtype == "auto" else getattr(torch, dtype)
     try:
-        model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=torch_dtype)
+        model: Any = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=torch_dtype)
     except (OSError, ValueError) as exc:
         raise ValueError(f"model {str(p)!r} could not be loaded as a causal LM: {exc}") from None
     return model.to(where).eval()
