@@ -30,6 +30,23 @@ from gaussdp.inference.privatizer import HiddenStatePrivatizer
 __all__ = ["stream_generate", "takes_cache"]
 
 
+def _fresh_cache(model: nn.Module) -> Any:
+    """An empty ``DynamicCache`` for a transformers model (the base model under a PEFT wrapper), or
+    ``None`` for any other model (its forward builds its own cache on the first pass)."""
+    try:
+        from transformers import DynamicCache, PreTrainedModel
+    except ImportError:
+        return None
+    base = getattr(model, "get_base_model", None)
+    target = base() if callable(base) else model
+    if not isinstance(target, PreTrainedModel):
+        return None
+    try:
+        return DynamicCache(config=target.config)  # per-layer kinds (sliding windows) from the config
+    except TypeError:  # transformers before 4.56: no config argument
+        return DynamicCache()
+
+
 def takes_cache(model: nn.Module) -> str | None:
     """The name under which ``model``'s forward takes a key/value cache, or ``None`` if it takes none.
 
@@ -104,7 +121,9 @@ def stream_generate(
         ids = ids[None, :]
     session = session_id or privatizer.session_id
     cache_name = takes_cache(model) if use_cache else None
-    cache: Any = None  # the first pass builds it (the model's own Cache class)
+    # a transformers model starts from an empty Cache object of its own (never a legacy tuple, whose
+    # use transformers deprecates with a warning on every stream); other models build their own
+    cache: Any = _fresh_cache(model) if cache_name is not None else None
     step_input = ids
     for _ in range(max_new_tokens):
         # The session is set around each pass only, never across a yield (the consumer's context
