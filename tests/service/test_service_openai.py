@@ -181,3 +181,35 @@ def test_stop_sequence_cuts_the_text_and_ends_with_stop(served_lm) -> None:  # t
     sent = [c for c in chunks if c.choices[0].finish_reason is None]
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     assert len(_charges(served_lm, sid)) == 6 + len(sent)
+
+
+def test_a_client_that_leaves_mid_stream_is_charged_what_it_was_sent_and_frees_its_slot(served_lm) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import time
+
+    sid = _session(served_lm, epsilon=50.0)
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "the government said"}],
+        "max_tokens": 64,
+        "stream": True,
+        "session_id": sid,
+        **PRIVACY,
+    }
+    received = 0
+    # more abandoned streams than the tenant's share of generation slots (8): a slot that a
+    # departed client kept would refuse the last ones with 429
+    for _ in range(10):
+        with httpx.stream(
+            "POST", served_lm.url + "/v1/chat/completions", json=body, headers=served_lm.headers, timeout=60
+        ) as r:
+            assert r.status_code == 200, r.read()
+            assert r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    assert json.loads(line[6:])["gaussdp"]["charge_id"] > 0
+                    received += 1
+                    break  # leave after the first token
+    time.sleep(1.0)  # a token in flight when the client left is charged, never sent
+    charges = len(_charges(served_lm, sid))
+    assert received == 10 and received <= charges <= received + 10 * 2, charges

@@ -35,7 +35,9 @@ so far, ``finish_reason`` ``"budget_exhausted"`` (or ``"error"``) and the code i
 ``gaussdp.error``; while streaming: one event ``data: {"error": {"message", "type", "code",
 "tokens_sent", ...}}`` (the openai client raises ``openai.APIError`` from it) and the stream ends
 without ``[DONE]``. A client that leaves mid-stream has been charged for the tokens it was sent,
-plus at most the one in flight (as on the WebSocket route).
+plus at most the one in flight (as on the WebSocket route). A generation lasts at most
+``--max-stream-s`` (then it ends as if by length) and holds one of its tenant's generation slots
+until it ends or its client leaves (429 ``too_many_generations`` past the tenant's share).
 """
 
 # No "from __future__ import annotations": FastAPI resolves the route's annotations at runtime.
@@ -67,6 +69,7 @@ from gaussdp.service.models import (
     GenerationPrivacy,
     Sampling,
 )
+from gaussdp.service.streaming import StreamLimits
 
 __all__ = ["DEFAULT_MAX_TOKENS", "ChatIn", "CompletionIn", "TextStream", "openai_router", "render_chat"]
 
@@ -235,6 +238,7 @@ def openai_router(svc: Service) -> APIRouter:
     """``/v1/completions`` and ``/v1/chat/completions`` of :func:`gaussdp.service.app.create_app`,
     over ``svc``'s gate, ledger and :attr:`~gaussdp.service.deps.Service.generations`."""
     gens = svc.generations
+    max_stream_s = (svc.stream_limits or StreamLimits()).max_stream_s
     releaser = Annotated[Caller, Depends(svc.releaser)]
     router = APIRouter(tags=["openai"])
     responses: dict[int | str, dict[str, Any]] = {
@@ -319,6 +323,7 @@ def openai_router(svc: Service) -> APIRouter:
         chat: bool,
     ) -> dict[str, Any]:
         text = TextStream(gen.decode, stops)
+        deadline = time.monotonic() + max_stream_s  # --max-stream-s, as for the WebSocket stream
         tokens, finish, error, detail = [first], "length", None, None
         out = [text.push(first.token_id)]
         i = 1
@@ -326,6 +331,7 @@ def openai_router(svc: Service) -> APIRouter:
             not text.stopped
             and not (gen.eos is not None and tokens[-1].token_id == gen.eos)
             and i < body.tokens_wanted()
+            and time.monotonic() < deadline
         ):
             try:
                 tok = gens.step(gen, who, i)
@@ -403,6 +409,7 @@ def openai_router(svc: Service) -> APIRouter:
             return {**base, "choices": [choice], "gaussdp": gaussdp}
 
         sent = 0
+        deadline = time.monotonic() + max_stream_s  # --max-stream-s, as for the WebSocket stream
         try:
             tok = first
             finish = "length"
@@ -415,7 +422,7 @@ def openai_router(svc: Service) -> APIRouter:
                 if text.stopped or (gen.eos is not None and tok.token_id == gen.eos):
                     finish = "stop"
                     break
-                if sent >= body.tokens_wanted():
+                if sent >= body.tokens_wanted() or time.monotonic() >= deadline:
                     break
                 try:
                     tok = await run_in_threadpool(gens.step, gen, who, sent)
