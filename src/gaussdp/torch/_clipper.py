@@ -27,6 +27,10 @@ in a pass where others are recomputed (:meth:`PerSampleClipper._kept_anyway`).
 
 A trainable parameter that receives an ordinary gradient (used outside the module owning it) cannot
 be clipped per sample: that fails closed with an error naming it.
+
+Over 600 lines on purpose: :class:`PerSampleClipper` is one state machine over one backward pass
+(hooks, taps, the end-of-pass callback, accumulation over micro-batches), and the helpers above it
+are used by it alone.
 """
 
 from __future__ import annotations
