@@ -46,8 +46,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gaussdp._validate import check_choice, check_positive
 from gaussdp.errors import InvalidParameter, PrivacyError, UnsafeInput
+from gaussdp.torch._mha import mha_capture, mha_captured_parts
 from gaussdp.torch._parts import DensePart, LinearPart, Part, ReluFedPart, combine, same_elements
-from gaussdp.torch._rules import mha_capture, mha_captured_parts, owned_parameters, rule_for, vmap_parts
+from gaussdp.torch._rules import owned_parameters, rule_for, vmap_parts
 from gaussdp.torch.validator import ModuleValidator
 
 __all__ = ["PerSampleClipper"]
