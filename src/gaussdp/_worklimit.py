@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 from gaussdp.errors import WorkLimitExceeded
 
-__all__ = ["check_work_limit", "cpu_limit", "no_cpu_limit"]
+__all__ = ["check_work_limit", "cpu_limit", "cpu_limited", "no_cpu_limit"]
 
 # (thread id, thread CPU time at which the limit is reached, the limit in seconds)
 _LIMIT: contextvars.ContextVar[tuple[int, float, float] | None] = contextvars.ContextVar(
@@ -50,6 +50,11 @@ def cpu_limit(seconds: float) -> Iterator[None]:
         yield
     finally:
         _LIMIT.reset(token)
+
+
+def cpu_limited() -> bool:
+    """Whether an enclosing :func:`cpu_limit` applies here (one context-variable read)."""
+    return _LIMIT.get() is not None
 
 
 class no_cpu_limit:  # used as a function: ``with no_cpu_limit():``

@@ -22,6 +22,10 @@ checked after the fact (see its docstring).
 
 numpy arrays everywhere; torch tensors (any device) in all four functions when torch is installed.
 torch is never imported by this module unless a tensor is passed in.
+
+The module is over 600 lines on purpose: each clip has a numpy and a torch path, and the float-safety
+argument (float64 accumulation, the shrink-until-the-float64-norm-fits loop) is the same for both, so
+they are reviewed and changed side by side.
 """
 
 from __future__ import annotations

@@ -900,8 +900,8 @@ def test_multihead_attention_from_its_graph_matches_brute_force(monkeypatch, lay
     per-example loop, and the captured path is the one taken. At 17 positions and width 64 the
     norms are ghost norms from split Grams, and the split q/k/v share one Gram of their input."""
     import gaussdp.torch._clipper as clipper_module
+    import gaussdp.torch._mha as mha_module
     import gaussdp.torch._parts as parts_module
-    import gaussdp.torch._rules as rules_module
 
     layouts, blocks = [], []
     real, real_norms = clipper_module.mha_captured_parts, parts_module._ghost_sq_norms
@@ -919,7 +919,7 @@ def test_multihead_attention_from_its_graph_matches_brute_force(monkeypatch, lay
     if layout != "split":
         monkeypatch.setattr(clipper_module, "_split_self_attention", lambda *a: None)
     if layout == "heads":
-        monkeypatch.setattr(rules_module, "_packed_projection", lambda *a: None)
+        monkeypatch.setattr(mha_module, "_packed_projection", lambda *a: None)
     torch.manual_seed(0)
     mask = torch.zeros(5, t, dtype=torch.bool)
     mask[:2, -1] = True

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from gaussdp._format import format_exact, format_upper
 from gaussdp._validate import check_choice
-from gaussdp._worklimit import no_cpu_limit
+from gaussdp._worklimit import cpu_limited, no_cpu_limit
 from gaussdp.accounting.events import event_json
 from gaussdp.budget._compose import Composer, event_dict, event_key, within
 from gaussdp.budget._sketch import LinearSketch, LivePLD
@@ -257,12 +257,7 @@ class Ledger:
         """
         receipt = self._charge(principal, event, idempotency_key, key_id)
         if fresh and receipt.replayed:
-            raise IdempotencyKeyUsed(
-                f"idempotency_key={idempotency_key!r} was already charged and released (or answered) for "
-                f"principal {principal!r}; a second noisy value would not be covered by that charge (the "
-                "first response is the only one)",
-                receipt,
-            )
+            raise _key_used(receipt)
         return receipt
 
     def _charge(self, principal: str, event: Any, idempotency_key: str | None, key_id: str | None) -> Receipt:
@@ -485,7 +480,11 @@ class Ledger:
                 :class:`~gaussdp.errors.PrivacyError`); nothing new was charged or released.
         """
         _refuse_non_finite(x)
-        receipt = self.charge(principal, mechanism.event, idempotency_key, key_id=key_id, fresh=True)
+        receipt = self._charge(principal, mechanism.event, idempotency_key, key_id)
+        if receipt.replayed:
+            raise _key_used(receipt)
+        if not cpu_limited():
+            return Release(mechanism.release(x), receipt, self)
         with no_cpu_limit():  # charged: the release must follow (its cost is bounded by the input)
             return Release(mechanism.release(x), receipt, self)
 
@@ -592,3 +591,12 @@ def _refuse_non_finite(x: Any) -> None:
 
     if isinstance(x, np.ndarray) and x.dtype.kind in "fc" and not np.isfinite(x).all():
         raise UnsafeInput("x holds NaN or Inf; nothing was charged or released")
+
+
+def _key_used(receipt: Receipt) -> IdempotencyKeyUsed:
+    return IdempotencyKeyUsed(
+        f"idempotency_key={receipt.idempotency_key!r} was already charged and released (or answered) for "
+        f"principal {receipt.principal!r}; a second noisy value would not be covered by that charge (the "
+        "first response is the only one)",
+        receipt,
+    )

@@ -93,6 +93,25 @@ class Engine(StrEnum):
     ray = "ray"
 
 
+def _print_sanitized(console: Any, first_line: str, report: Any) -> None:
+    """What a sanitize run did, the same for .npy and tables: clipping, noise, both epsilons."""
+    from gaussdp._format import format_exact, format_upper
+
+    console.print(
+        f"{first_line}\n"
+        f"clip_norm={format_exact(report.clip_norm)}: {report.n_clipped} rows clipped; mean row norm "
+        f"{report.avg_norm_before:.4g} -> {report.avg_norm_after:.4g}\n"
+        f"noise sigma={format_upper(report.sigma)} per coordinate ({report.noise})",
+        soft_wrap=True,
+    )
+    console.print(
+        f"true epsilon per individual at delta={format_exact(report.delta)}: "
+        f"{format_upper(report.epsilon)} (add/remove one row); {format_upper(report.epsilon_replace)} "
+        "(replace one row)",
+        soft_wrap=True,
+    )
+
+
 def sanitize(
     in_path: str = typer.Argument(
         ...,
@@ -135,7 +154,6 @@ def sanitize(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from gaussdp._format import format_exact, format_upper
     from gaussdp.cli._output import make_console
     from gaussdp.cli.tables import is_table, ledger_charge, sanitize_table
     from gaussdp.embeddings import sanitize_npy
@@ -238,18 +256,8 @@ def sanitize(
             }
         )
     else:
-        console.print(
-            f"sanitized {report.rows} rows x {report.cols} ({report.dtype}) -> {out_path}\n"
-            f"clip_norm={format_exact(report.clip_norm)}: {report.n_clipped} rows clipped; mean row norm "
-            f"{report.avg_norm_before:.4g} -> {report.avg_norm_after:.4g}\n"
-            f"noise sigma={format_upper(report.sigma)} per coordinate ({report.noise})",
-            soft_wrap=True,
-        )
-        console.print(
-            f"true epsilon per individual at delta={format_exact(report.delta)}: "
-            f"{format_upper(report.epsilon)} (add/remove one row); {format_upper(report.epsilon_replace)} "
-            "(replace one row)",
-            soft_wrap=True,
+        _print_sanitized(
+            console, f"sanitized {report.rows} rows x {report.cols} ({report.dtype}) -> {out_path}", report
         )
     if charge is not None and not json_output:
         console.print(f"charged to session {session!r} of {ledger} before writing", soft_wrap=True)
@@ -258,7 +266,6 @@ def sanitize(
 
 
 def _print_table_report(report: Any, json_output: bool, console: Any) -> None:
-    from gaussdp._format import format_exact, format_upper
 
     if json_output:
         from gaussdp.cli._output import emit_json
@@ -288,19 +295,11 @@ def _print_table_report(report: Any, json_output: bool, console: Any) -> None:
     where = f"{report.blocks} row group(s)"
     if report.engine == "ray":
         where = f"{report.blocks} parts + _manifest.json"
-    console.print(
+    _print_sanitized(
+        console,
         f"sanitized {report.rows} rows x {report.cols} of column {report.column!r} ({report.engine}) -> "
-        f"{report.out_path} ({where}; other columns unchanged)\n"
-        f"clip_norm={format_exact(report.clip_norm)}: {report.n_clipped} rows clipped; mean row norm "
-        f"{report.avg_norm_before:.4g} -> {report.avg_norm_after:.4g}\n"
-        f"noise sigma={format_upper(report.sigma)} per coordinate ({report.noise})",
-        soft_wrap=True,
-    )
-    console.print(
-        f"true epsilon per individual at delta={format_exact(report.delta)}: "
-        f"{format_upper(report.epsilon)} (add/remove one row); {format_upper(report.epsilon_replace)} "
-        "(replace one row)",
-        soft_wrap=True,
+        f"{report.out_path} ({where}; other columns unchanged)",
+        report,
     )
     if report.charge is not None:
         console.print(

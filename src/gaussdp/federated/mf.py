@@ -54,7 +54,7 @@ from gaussdp._format import format_upper
 from gaussdp._validate import check_counts, check_positive
 from gaussdp.errors import InvalidParameter, NotPrivateWarning, PrivacyError, UnsafeInput
 from gaussdp.federated.rounds import RoundLedger
-from gaussdp.federated.server import RoundPlan, RoundResult
+from gaussdp.federated.server import RoundPlan, RoundResult, RoundServer
 from gaussdp.mf import BandedMFPlan, BandedNoise
 
 __all__ = ["BandedMFServer"]
@@ -62,7 +62,7 @@ __all__ = ["BandedMFServer"]
 _MIN_MU2 = 1e-20  # the floor of a round's charge: a row per round, no visible change of epsilon
 
 
-class BandedMFServer:
+class BandedMFServer(RoundServer):
     """DP-FTRL / banded-MF server with client-level accounting in a :class:`gaussdp.budget.Ledger`.
 
     Args:
@@ -142,17 +142,6 @@ class BandedMFServer:
         self._resumed_checked = False
 
     # -- accounting ------------------------------------------------------------------------------
-    @property
-    def clip_norm(self) -> float:
-        return self._clip_norm
-
-    @property
-    def rounds_done(self) -> int:
-        return self.ledger.rounds_done
-
-    def epsilon(self) -> float:
-        return self.ledger.epsilon_spent()
-
     def _charged_mu2(self) -> float:
         from gaussdp.accounting import GaussianEvent
 
@@ -281,23 +270,6 @@ class BandedMFServer:
                 warnings.simplefilter("ignore", NotPrivateWarning)  # warned once, at construction
                 self._source = noise_source(self.noise) if self.seed is None else noise_source(seed=self.seed)
         return np.asarray(self._source.standard_normal(n))
-
-    def run_round(self, global_params: np.ndarray, client_fn: Any, *, dropout: Any = None) -> RoundResult:
-        """``begin_round``, ``client_fn(global_params, client_ids) -> deltas``, ``finish_round``."""
-        plan = self.begin_round()
-        ids = plan.clients
-        if dropout is not None:
-            ids = ids[np.asarray(dropout(ids), dtype=bool)]
-        if self.num_params is None:
-            self.num_params = int(np.asarray(global_params).size)
-        deltas = client_fn(global_params, ids) if ids.size else None
-        return self.finish_round(plan, deltas, ids)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"clip_norm": self._clip_norm, "rounds_done": self.rounds_done}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._clip_norm = check_positive("clip_norm", state["clip_norm"])
 
     def __repr__(self) -> str:
         return (

@@ -199,7 +199,7 @@ def round_report(ledger: Any, principals: list[str] | None = None, *, prefix: st
             "epsilon": float(spent.epsilon),
             "delta": float(budget.delta),
             "target_epsilon": float(budget.epsilon),
-            "remaining": max(0.0, float(budget.epsilon) - float(spent.epsilon)),
+            "remaining": float(budget.remaining(spent).epsilon),
         }
         for rec in led.history(p):
             n += 1

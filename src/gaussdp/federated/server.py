@@ -89,7 +89,59 @@ def _round_seed(seed: int | None, round_num: int, stream: int) -> int | None:
     return int(np.random.SeedSequence([seed, round_num, stream]).generate_state(1, dtype=np.uint64)[0]) >> 1
 
 
-class DPFedAvg:
+class RoundServer:
+    """What the round-based servers share (:class:`DPFedAvg`, :class:`gaussdp.federated.mf.BandedMFServer`):
+    the run's ledger, its clip norm, and the round loop ``begin_round`` / clients / ``finish_round``."""
+
+    ledger: Any
+    num_params: int | None
+    _clip_norm: float
+
+    def begin_round(self) -> RoundPlan:
+        raise NotImplementedError
+
+    def finish_round(self, plan: RoundPlan, deltas: Any, answered: Any) -> RoundResult:
+        raise NotImplementedError
+
+    @property
+    def clip_norm(self) -> float:
+        """The clip norm of the next round (moves between rounds with adaptive clipping)."""
+        return self._clip_norm
+
+    @property
+    def rounds_done(self) -> int:
+        """Rounds charged to this run so far (read from the ledger: survives a restart)."""
+        return int(self.ledger.rounds_done)
+
+    def epsilon(self) -> float:
+        """Client-level epsilon spent so far, at the budget's delta (a justified upper bound)."""
+        return float(self.ledger.epsilon_spent())
+
+    def run_round(self, global_params: np.ndarray, client_fn: Any, *, dropout: Any = None) -> RoundResult:
+        """``begin_round``, ``client_fn(global_params, client_ids) -> deltas``, ``finish_round``.
+
+        ``dropout(client_ids) -> mask of answering clients`` simulates failures (applied before the
+        clients compute, as a real dropout would be).
+        """
+        plan = self.begin_round()
+        ids = plan.clients
+        if dropout is not None:
+            ids = ids[np.asarray(dropout(ids), dtype=bool)]
+        if self.num_params is None:
+            self.num_params = int(np.asarray(global_params).size)
+        deltas = client_fn(global_params, ids) if ids.size else None
+        return self.finish_round(plan, deltas, ids)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Public state to checkpoint beside the model (the ledger keeps the privacy state)."""
+        return {"clip_norm": self._clip_norm, "rounds_done": self.rounds_done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the clip norm after a restart (the ledger restores the rest)."""
+        self._clip_norm = check_positive("clip_norm", state["clip_norm"])
+
+
+class DPFedAvg(RoundServer):
     """DP-FedAvg server with client-level accounting in a :class:`gaussdp.budget.Ledger`.
 
     Args:
@@ -185,20 +237,6 @@ class DPFedAvg:
         if self.sample_rate == 1.0:
             return GaussianEvent(z)
         return SubsampledGaussianEvent(z, self.sample_rate)
-
-    @property
-    def clip_norm(self) -> float:
-        """The clip norm of the next round (moves between rounds with adaptive clipping)."""
-        return self._clip_norm
-
-    @property
-    def rounds_done(self) -> int:
-        """Rounds charged to this run so far (read from the ledger: survives a restart)."""
-        return self.ledger.rounds_done
-
-    def epsilon(self) -> float:
-        """Client-level epsilon spent so far, at the budget's delta (a justified upper bound)."""
-        return self.ledger.epsilon_spent()
 
     def would_exceed(self, rounds: int = 1) -> bool:
         """Whether ``rounds`` more rounds would take the composed epsilon past the budget."""
@@ -369,32 +407,11 @@ class DPFedAvg:
             )
             return np.asarray(mech.add_noise(x))
 
-    # -- convenience ----------------------------------------------------------------------------------
-    def run_round(self, global_params: np.ndarray, client_fn: Any, *, dropout: Any = None) -> RoundResult:
-        """``begin_round``, ``client_fn(global_params, client_ids) -> deltas``, ``finish_round``.
-
-        ``dropout(client_ids) -> mask of answering clients`` simulates failures (applied before the
-        clients compute, as a real dropout would be).
-        """
-        plan = self.begin_round()
-        ids = plan.clients
-        if dropout is not None:
-            ids = ids[np.asarray(dropout(ids), dtype=bool)]
-        if self.num_params is None:
-            self.num_params = int(np.asarray(global_params).size)
-        deltas = client_fn(global_params, ids) if ids.size else None
-        return self.finish_round(plan, deltas, ids)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Public state to checkpoint beside the model (the ledger keeps the privacy state)."""
-        return {"clip_norm": self._clip_norm, "rounds_done": self.rounds_done}
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the clip norm of adaptive clipping after a restart (the ledger restores the rest)."""
-        c = check_positive("clip_norm", state["clip_norm"])
-        self._clip_norm = c
+        super().load_state_dict(state)
         if self.adaptive is not None:
-            self.adaptive.clip_norm = c
+            self.adaptive.clip_norm = self._clip_norm
 
     def __repr__(self) -> str:
         return (

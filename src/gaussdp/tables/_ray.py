@@ -50,7 +50,7 @@ from gaussdp.errors import InvalidParameter, UnsafeInput
 from gaussdp.noise import SourceKind, noise_source
 from gaussdp.tables._columns import check_embedding_field, release_block
 from gaussdp.tables._release import TableRelease, check_positive_int
-from gaussdp.tables.parquet import TableReport
+from gaussdp.tables.parquet import TableReport, fsync_path
 
 __all__ = ["MANIFEST", "sanitize_dataset"]
 
@@ -73,14 +73,6 @@ class _BlockJob:
     clip_norm: float
     noise: str
     metadata: dict[bytes, bytes]
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sanitize_block(
@@ -138,7 +130,7 @@ def _sanitize_block(
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)  # a discarded or committed draw: the temporary name never lands
-    _fsync_dir(job.out_dir)
+    fsync_path(job.out_dir)
     if fault is not None:
         fault(index, "committed")
     return result
@@ -321,7 +313,7 @@ def _write_manifest(out: str, record: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(out, MANIFEST))
-    _fsync_dir(out)
+    fsync_path(out)
 
 
 def read_manifest(out_dir: str) -> dict[str, Any]:

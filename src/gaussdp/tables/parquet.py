@@ -88,7 +88,8 @@ def _batches(pf: pq.ParquetFile, batch_rows: int) -> Iterator[pa.RecordBatch]:
         yield from pf.iter_batches(batch_size=batch_rows, row_groups=[group], use_threads=False)
 
 
-def _fsync(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory (a directory: so that a rename or a link in it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -233,7 +234,7 @@ def sanitize_parquet(
                 finally:
                     writer.close()
             if dst_local:
-                _fsync(tmp)
+                fsync_path(tmp)
             if dst_local:
                 os.replace(tmp, dst)
             else:

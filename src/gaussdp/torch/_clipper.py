@@ -27,6 +27,10 @@ in a pass where others are recomputed (:meth:`PerSampleClipper._kept_anyway`).
 
 A trainable parameter that receives an ordinary gradient (used outside the module owning it) cannot
 be clipped per sample: that fails closed with an error naming it.
+
+Over 600 lines on purpose: :class:`PerSampleClipper` is one state machine over one backward pass
+(hooks, taps, the end-of-pass callback, accumulation over micro-batches), and the helpers above it
+are used by it alone.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gaussdp._validate import check_choice, check_positive
 from gaussdp.errors import InvalidParameter, PrivacyError, UnsafeInput
+from gaussdp.torch._mha import mha_capture, mha_captured_parts
 from gaussdp.torch._parts import DensePart, LinearPart, Part, ReluFedPart, combine, same_elements
-from gaussdp.torch._rules import mha_capture, mha_captured_parts, owned_parameters, rule_for, vmap_parts
+from gaussdp.torch._rules import owned_parameters, rule_for, vmap_parts
 from gaussdp.torch.validator import ModuleValidator
 
 __all__ = ["PerSampleClipper"]

@@ -7,6 +7,10 @@ gradients themselves. Linear and Embedding parts compute the first two without m
 when that is cheaper ("ghost" norms, Goodfellow 2015; Li et al. 2022; book-keeping, Bu et al. 2023).
 
 Norms are accumulated in at least float32 whatever the input dtype (bf16 and fp16 are upcast).
+
+Over 600 lines on purpose: :class:`ConvPart` alone is about 300 (ghost norms for every convolution:
+groups, dilation, padding modes), and the parts share private helpers (``_grams``,
+``_ghost_sq_norms``) that splitting would turn into cross-module internals.
 """
 
 from __future__ import annotations

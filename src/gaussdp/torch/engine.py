@@ -14,6 +14,10 @@ References:
     Bu et al. 2023, "Differentially private optimization on large model at small cost" (book-keeping).
     Doroshenko et al. 2022, "Connect the dots: tighter discrete approximations of privacy loss
     distributions" (PLD accounting, in ``gaussdp.accounting``).
+
+Over 600 lines on purpose: :meth:`PrivacyEngine.make_private` keeps Opacus's signature and adds
+gaussdp's options (noise mechanism, banded MF, the independence probe), each one validation and
+wiring; the work is in the modules it calls (clipper, optimizer, data, ``gaussdp.mf``).
 """
 
 from __future__ import annotations
