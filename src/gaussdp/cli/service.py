@@ -98,7 +98,24 @@ def serve(
         60.0,
         "--finetune-lease-s",
         envvar="GAUSSDP_FINETUNE_LEASE_S",
-        help="A running job without a worker heartbeat this long is marked failed (never re-run).",
+        help="A running job without a worker heartbeat this long is interrupted (see --on-interrupt).",
+    ),
+    on_interrupt: str = typer.Option(
+        "resume",
+        "--on-interrupt",
+        envvar="GAUSSDP_FINETUNE_ON_INTERRUPT",
+        help="A job interrupted by a crash or stop: 'resume' (queued again, resumed from its last "
+        "checkpoint, no released step run twice) or 'fail' (failed, never re-run). The charge stays.",
+    ),
+    checkpoint_every: int = typer.Option(
+        10,
+        "--checkpoint-every",
+        envvar="GAUSSDP_FINETUNE_CHECKPOINT_EVERY",
+        min=1,
+        help="Steps between a job's checkpoints under --data-dir (1: a crash loses no step).",
+    ),
+    max_attempts: int = typer.Option(
+        3, "--max-attempts", min=1, help="Workers that may take one job before an interruption fails it."
     ),
     max_streams: int = typer.Option(
         32, envvar="GAUSSDP_MAX_STREAMS", min=0, help="Generations (streams or POSTs) at once, per worker."
@@ -220,7 +237,11 @@ def serve(
             typer.echo(f"no API keys yet: create one with  gaussdp keys create TENANT --db {db}", err=True)
     job_workers: list[Any] = []
     if data_dir is not None:
-        job_workers = _start_job_workers(db, data_dir, model, finetune_workers, lease_s)
+        if on_interrupt not in ("resume", "fail"):
+            raise typer.BadParameter(f"--on-interrupt must be 'resume' or 'fail', got {on_interrupt!r}")
+        job_workers = _start_job_workers(
+            db, data_dir, model, finetune_workers, lease_s, on_interrupt, checkpoint_every, max_attempts
+        )
     scheme = "https" if ssl_certfile else "http"
     typer.echo(
         f"gaussdp service on {scheme}://{host}:{port} with {workers} worker(s)  "
@@ -249,8 +270,17 @@ def serve(
             shutil.rmtree(shared_dir, ignore_errors=True)
 
 
-def _start_job_workers(db: str, data_dir: Path, model: list[str], n: int, lease_s: float) -> list[Any]:
-    """Mark jobs interrupted by a crash as failed, then start ``n`` local ``gaussdp worker`` processes."""
+def _start_job_workers(
+    db: str,
+    data_dir: Path,
+    model: list[str],
+    n: int,
+    lease_s: float,
+    on_interrupt: str = "resume",
+    checkpoint_every: int = 10,
+    max_attempts: int = 3,
+) -> list[Any]:
+    """Queue again (or fail) jobs interrupted by a crash, then start ``n`` local ``gaussdp worker``s."""
     import subprocess
     import sys
 
@@ -259,12 +289,16 @@ def _start_job_workers(db: str, data_dir: Path, model: list[str], n: int, lease_
     data_dir.mkdir(parents=True, exist_ok=True)
     store = JobStore(db)
     try:
-        for job_id in store.fail_abandoned(lease_s):
-            typer.echo(f"fine-tuning job {job_id} was interrupted by a restart: marked failed", err=True)
+        resume = on_interrupt == "resume"
+        for job_id in store.fail_abandoned(lease_s, resume=resume, max_attempts=max_attempts):
+            job = store.job(None, job_id)
+            what = "queued again to resume" if job is not None and job.state == "queued" else "marked failed"
+            typer.echo(f"fine-tuning job {job_id} was interrupted by a restart: {what}", err=True)
     finally:
         store.close()
     args = [sys.executable, "-m", "gaussdp.cli", "worker", "--db", db, "--data-dir", str(data_dir.resolve())]
-    args += ["--lease-s", str(lease_s), "--parent-pid", str(_pid())]
+    args += ["--lease-s", str(lease_s), "--parent-pid", str(_pid()), "--on-interrupt", on_interrupt]
+    args += ["--checkpoint-every", str(checkpoint_every), "--max-attempts", str(max_attempts)]
     for spec in model:
         args += ["--model", spec]
     procs = [subprocess.Popen(args) for _ in range(n)]
@@ -293,6 +327,20 @@ def worker(
     poll_s: float = typer.Option(1.0, "--poll-s", help="Seconds between looks at an empty queue."),
     max_jobs: int | None = typer.Option(None, "--max-jobs", min=1, help="Exit after this many jobs."),
     parent_pid: int | None = typer.Option(None, "--parent-pid", hidden=True),
+    on_interrupt: str = typer.Option(
+        "resume",
+        "--on-interrupt",
+        envvar="GAUSSDP_FINETUNE_ON_INTERRUPT",
+        help="'resume' (an interrupted job is queued again and resumed from its checkpoint) or 'fail'.",
+    ),
+    checkpoint_every: int = typer.Option(
+        10,
+        "--checkpoint-every",
+        envvar="GAUSSDP_FINETUNE_CHECKPOINT_EVERY",
+        min=1,
+        help="Steps between a job's checkpoints (1: a crash loses no step).",
+    ),
+    max_attempts: int = typer.Option(3, "--max-attempts", min=1, help="Claims of a job before it fails."),
 ) -> None:
     """Run fine-tuning jobs from the ledger's database (PostgreSQL for several machines).
 
@@ -322,11 +370,14 @@ def worker(
     def _interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _interrupt)  # a stopped server's workers end their job as failed
+    signal.signal(signal.SIGTERM, _interrupt)  # a stopped server's workers requeue (or fail) their job
     try:
+        if on_interrupt not in ("resume", "fail"):
+            raise typer.BadParameter(f"--on-interrupt must be 'resume' or 'fail', got {on_interrupt!r}")
         run_worker(
-            db, data_dir, models, poll_s=poll_s, lease_s=lease_s, max_jobs=max_jobs, parent_pid=parent_pid
-        )
+            db, data_dir, models, poll_s=poll_s, lease_s=lease_s, max_jobs=max_jobs, parent_pid=parent_pid,
+            on_interrupt=on_interrupt, checkpoint_every=checkpoint_every, max_attempts=max_attempts,
+        )  # fmt: skip
     except KeyboardInterrupt:
         pass
 

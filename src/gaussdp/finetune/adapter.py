@@ -80,7 +80,11 @@ def check_local_dp(local_dp: Any) -> dict[str, Any] | None:
 
 
 def privacy_summary(
-    result: FinetuneResult, *, local_dp: dict[str, Any] | None = None, corpus_name: str | None = None
+    result: FinetuneResult,
+    *,
+    local_dp: dict[str, Any] | None = None,
+    corpus_name: str | None = None,
+    attempts: int = 1,
 ) -> dict[str, Any]:
     """The facts the model card states, as plain JSON values (``gaussdp_privacy.json``)."""
     import gaussdp
@@ -106,6 +110,9 @@ def privacy_summary(
             "sample_rate": plan.sample_rate,
             "sampling": "poisson",
             "steps": result.steps_done,
+            "steps_applied": result.steps_applied or result.steps_done - result.steps_lost,
+            "steps_lost": result.steps_lost,
+            "attempts": attempts,
             "planned_steps": plan.steps,
             "planned_epsilon": plan.epsilon,
             "epochs": plan.epochs,
@@ -171,10 +178,14 @@ def _local_dp_text(local: dict[str, Any] | None) -> list[str]:
 
 
 def model_card(
-    result: FinetuneResult, *, local_dp: dict[str, Any] | None = None, corpus_name: str | None = None
+    result: FinetuneResult,
+    *,
+    local_dp: dict[str, Any] | None = None,
+    corpus_name: str | None = None,
+    attempts: int = 1,
 ) -> str:
     """The adapter's ``README.md``: what it is and both privacy guarantees, in plain words."""
-    s = privacy_summary(result, local_dp=local_dp, corpus_name=corpus_name)
+    s = privacy_summary(result, local_dp=local_dp, corpus_name=corpus_name, attempts=attempts)
     c = s["central_dp"]
     corpus = _md(corpus_name) if corpus_name else "an uploaded corpus"
     eps, delta = epsilon_text(c["epsilon"]), format_exact(c["delta"])
@@ -214,6 +225,9 @@ def model_card(
         f"{_fmt(c['expected_batch_size'])} of {c['n_records']} records)",
         f"- steps: {c['steps']} of {c['planned_steps']} planned ({c['epochs']} epoch(s)); planned "
         f"epsilon {epsilon_text(c['planned_epsilon'])}",
+        f"- resumed after interruptions: {c['attempts'] - 1} time(s); steps lost: {c['steps_lost']} "
+        f"(released, so counted above, but their updates are not in the adapter: "
+        f"{c['steps_applied']} applied)",
         f"- noise multiplier {_fmt(c['noise_multiplier'])}, per-record clip norm "
         f"{_fmt(c['clip_norm'])} over all LoRA parameters",
         f"- noise source: {_md(c['noise_source'])}",
@@ -238,6 +252,7 @@ def save_adapter(
     *,
     local_dp: dict[str, Any] | None = None,
     corpus_name: str | None = None,
+    attempts: int = 1,
 ) -> Path:
     """Write the adapter (peft format), its model card and ``gaussdp_privacy.json`` to ``out_dir``.
 
@@ -248,12 +263,13 @@ def save_adapter(
             ``{"mechanism": "gaussian", "sigma": 0.4, "epsilon_per_word": 3.1, "vocabulary":
             "glove-50"}``, JSON values only; ``None`` -> "not declared" in the card.
         corpus_name: shown in the card.
+        attempts: how many workers took the job (> 1: it was resumed after interruptions).
 
     Returns:
         ``out_dir`` as a ``Path``.
     """
-    summary = privacy_summary(result, local_dp=local_dp, corpus_name=corpus_name)  # validate first
-    card = model_card(result, local_dp=local_dp, corpus_name=corpus_name)
+    summary = privacy_summary(result, local_dp=local_dp, corpus_name=corpus_name, attempts=attempts)
+    card = model_card(result, local_dp=local_dp, corpus_name=corpus_name, attempts=attempts)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result.peft_model.save_pretrained(out, safe_serialization=True)

@@ -91,6 +91,12 @@ class JobOut(BaseModel):
         "so it is not covered by the guarantee and is not released.",
     )
     error: str | None
+    attempts: int = Field(0, description="Workers that took the job (> 1: resumed after interruptions).")
+    steps_lost: int = Field(
+        0,
+        description="Steps released before an interruption but not in the checkpoint the job resumed "
+        "from: counted in epsilon_so_far and the charge, never run again, not in the adapter.",
+    )
     noise_multiplier: float | None
     sample_rate: float | None
     charge_id: int | None
