@@ -125,6 +125,14 @@ def privacy_summary(
             "noise_source": result.noise_stream,
         },
         "local_dp": check_local_dp(local_dp),
+        "validation": None
+        if not result.validation_losses
+        else {
+            "declared_public": True,
+            "records": result.validation_records,
+            "loss": "per-record mean next-token cross-entropy, averaged over the records",
+            "losses": [[st, loss] for st, loss in result.validation_losses],
+        },
         "lora": {
             "rank": cfg.lora_rank,
             "alpha": cfg.lora_alpha,
@@ -234,6 +242,22 @@ def model_card(
         "",
     ]
     lines += _local_dp_text(s["local_dp"])
+    v = s["validation"]
+    if v is not None:
+        (s0, l0), (s1, l1) = v["losses"][0], v["losses"][-1]
+        lines += [
+            "",
+            "## Validation",
+            "",
+            f"**Validation loss: {l0:.4f} at step {s0} -> {l1:.4f} at step {s1}** (mean per-record "
+            f"next-token cross-entropy on {v['records']} records that the data scientist declared "
+            "public: measured on the adapter without noise and not charged, since it reveals "
+            "nothing about the private corpus beyond the adapter itself).",
+            "",
+            "| step | validation loss |",
+            "|---|---|",
+            *(f"| {st} | {loss:.4f} |" for st, loss in v["losses"]),
+        ]
     lines += [
         "",
         "The two guarantees protect different things: the local one each word of the upload, "

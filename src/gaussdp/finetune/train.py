@@ -129,12 +129,16 @@ class FinetuneProgress:
         loss: mean per-record training loss of this step's batch, or ``None``: it is computed from
             the records WITHOUT noise, so it is not covered by the DP guarantee and is only given with
             ``report_loss=True`` (``None`` also for an empty Poisson batch).
+        validation_loss: mean per-record loss of the adapter on the public ``validation`` records,
+            at the steps where it is measured (else ``None``): a function of the DP adapter and of
+            data declared public, so covered by the guarantee at no extra cost.
     """
 
     step: int
     steps: int
     epsilon_so_far: float
     loss: float | None
+    validation_loss: float | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,8 @@ class FinetuneResult:
             ``steps_done - steps_lost``.
         steps_lost: released steps whose updates were lost in crashes (:class:`FinetuneCheckpoint`).
         resumed_from: the checkpoint's released steps this run resumed from (0: a fresh run).
+        validation_losses: ``(step, loss)`` pairs measured on the public ``validation`` records
+            (step 0: the base model with fresh adapters, i.e. the base's own loss); ``()`` without.
     """
 
     peft_model: Any
@@ -190,6 +196,11 @@ class FinetuneResult:
     steps_applied: int = 0
     steps_lost: int = 0
     resumed_from: int = 0
+    validation_losses: tuple[tuple[int, float], ...] = ()
+    validation_records: int = 0
+
+
+MAX_VALIDATION_RECORDS = 2048  # bounded work: the validation loss is measured up to ~11 times a run
 
 
 def _model_config(model_path: str | Path) -> tuple[Path, Any]:
@@ -384,6 +395,8 @@ def run_finetune(
     device: str | None = None,
     max_physical_batch_size: int | None = None,
     checkpoint: FinetuneCheckpoint | None = None,
+    validation: Sequence[str] | None = None,
+    validation_every: int | None = None,
 ) -> FinetuneResult:
     """Fine-tune LoRA adapters of a local causal LM on ``records`` with DP-SGD, exactly as planned.
 
@@ -416,6 +429,11 @@ def run_finetune(
             this many records (memory), still one noised step per batch; default: no split.
         checkpoint: save state every ``checkpoint.every`` steps and resume from ``checkpoint.path``
             when it exists (:class:`FinetuneCheckpoint` says why a resume is sound).
+        validation: records the caller declares PUBLIC (at most 2048), on which the adapter's mean
+            per-record loss is measured before training, every ``validation_every`` steps and after
+            the last (``FinetuneProgress.validation_loss``, ``result.validation_losses``). The loss
+            is released without noise: never pass private records here.
+        validation_every: steps between measurements (default: about ten in the run).
 
     Returns:
         A :class:`FinetuneResult`.
@@ -447,6 +465,20 @@ def run_finetune(
         raise InvalidParameter(
             f"max_physical_batch_size must be an int >= 1 or None, got {max_physical_batch_size!r}"
         )
+    if validation is not None:
+        if isinstance(validation, str) or not isinstance(validation, Sequence):
+            raise TypeError(f"validation must be a sequence of strings, got {type(validation).__name__}")
+        if not 1 <= len(validation) <= MAX_VALIDATION_RECORDS:
+            raise InvalidParameter(
+                f"validation must hold 1 to {MAX_VALIDATION_RECORDS} records, got {len(validation)}"
+            )
+        for i, r in enumerate(validation):
+            if not isinstance(r, str) or not r.strip():
+                raise InvalidParameter(f"validation[{i}] must be a non-empty string, got {r!r:.40}")
+    if validation_every is not None and (
+        isinstance(validation_every, bool) or not isinstance(validation_every, int) or validation_every < 1
+    ):
+        raise InvalidParameter(f"validation_every must be an int >= 1 or None, got {validation_every!r}")
     if checkpoint is not None and not isinstance(checkpoint, FinetuneCheckpoint):
         raise TypeError(f"checkpoint must be a FinetuneCheckpoint or None, got {type(checkpoint).__name__}")
     for name, fn in (("progress", progress), ("should_stop", should_stop)):
@@ -464,7 +496,7 @@ def run_finetune(
     with _seeded(seed):  # a seeded run also fixes LoRA's initialisation and the base's dropout
         return _train(
             model_path, records, config, plan, progress, should_stop, seed, report_loss, dev,
-            max_physical_batch_size, checkpoint,
+            max_physical_batch_size, checkpoint, validation, validation_every,
         )  # fmt: skip
 
 
@@ -480,6 +512,8 @@ def _train(
     dev: Any,
     max_physical_batch_size: int | None,
     checkpoint: FinetuneCheckpoint | None = None,
+    validation: Sequence[str] | None = None,
+    validation_every: int | None = None,
 ) -> FinetuneResult:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -539,6 +573,21 @@ def _train(
             if checkpoint.on_resume is not None:
                 checkpoint.on_resume(resumed_from, lost)
             lost += lost_before
+        val_losses: list[tuple[int, float]] = []
+        val = None if validation is None else tokenize_records(tokenizer, validation, config.max_seq_len)
+        val_every = validation_every or max(1, plan.steps // 10)
+
+        def measure() -> float | None:
+            if val is None:
+                return None
+            loss = _mean_loss(peft_model, val, config.batch_size, dev)
+            val_losses.append((step, loss))
+            return loss
+
+        if step == 0:
+            first = measure()
+            if first is not None and progress is not None:
+                progress(FinetuneProgress(0, plan.steps, 0.0, None, first))
         t_train = time.perf_counter()
         for batch in _batches(dp_loader, plan.steps - step):
             if should_stop is not None and should_stop():
@@ -568,8 +617,9 @@ def _train(
             loss = total / count if (report_loss and count) else None
             if report_loss:
                 losses.append(loss if loss is not None else math.nan)
+            val_loss = measure() if (step % val_every == 0 or step == plan.steps) else None
             if progress is not None:
-                progress(FinetuneProgress(step, plan.steps, _epsilon_after(plan, step), loss))
+                progress(FinetuneProgress(step, plan.steps, _epsilon_after(plan, step), loss, val_loss))
         train_seconds = time.perf_counter() - t_train
         if engine.steps != plan.steps or step != plan.steps:
             raise RuntimeError(f"took {engine.steps} steps, the plan {plan.steps}")
@@ -615,7 +665,29 @@ def _train(
         steps_applied=plan.steps - lost if applied is None else applied,
         steps_lost=lost,
         resumed_from=resumed_from,
+        validation_losses=tuple(val_losses),
+        validation_records=0 if validation is None else len(validation),
     )
+
+
+def _mean_loss(model: Any, data: tuple[Any, Any], batch_size: int, dev: Any) -> float:
+    """Mean per-record loss on ``data`` (no gradients: the DP hooks record nothing; eval mode)."""
+    import torch
+
+    ids, mask = data
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    try:
+        with torch.no_grad():
+            for i in range(0, len(ids), max(1, batch_size)):
+                b_ids, b_mask = _trim(
+                    list(zip(ids[i : i + batch_size], mask[i : i + batch_size], strict=True))
+                )
+                total += float(per_record_loss(model, b_ids.to(dev), b_mask.to(dev)).sum())
+    finally:
+        model.train(was_training)
+    return total / len(ids)
 
 
 def _batches(loader: Any, steps: int) -> Iterator[Any]:

@@ -108,6 +108,8 @@ from gaussdp.service.worker import adapter_dir, corpus_path, finetune_config
 from gaussdp.text.tokenize import MAX_INPUT_BYTES, words
 from gaussdp.text.vocabulary import vocabulary_id
 
+MAX_VALIDATION_RECORDS = 2048  # gaussdp.finetune.train's (importing it here would need torch)
+
 __all__ = ["CORPORA_PATH", "MAX_CORPUS_BYTES", "make_finetune_router", "vocabulary_id"]
 
 LIST_DEFAULT_LIMIT = 100
@@ -356,6 +358,16 @@ def make_finetune_router(
         corpus = jobs.corpus(who.tenant, body.corpus_id)
         if corpus is None:
             raise missing("corpus")
+        if body.validation_corpus_id is not None:
+            val = jobs.corpus(who.tenant, body.validation_corpus_id)
+            if val is None:
+                raise missing("corpus")
+            if val.records > MAX_VALIDATION_RECORDS:
+                raise HTTPException(
+                    422,
+                    f"validation_corpus_id: the corpus has {val.records} records, more than "
+                    f"{MAX_VALIDATION_RECORDS}",
+                )
         principal = f"{who.tenant}/{body.session_id}"
         try:
             budget = ledger.budget(principal)
@@ -537,6 +549,7 @@ def _job_out(j: JobRow, plan: Any = None) -> JobOut:
         epsilon_so_far=j.epsilon_so_far,
         loss=j.loss,
         error=j.error,
+        validation_loss=j.validation_loss,
         attempts=j.attempts,
         steps_lost=j.steps_lost,
         noise_multiplier=None if nm is None else float(nm),

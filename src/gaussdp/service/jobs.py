@@ -66,7 +66,7 @@ _CORPUS_COLUMNS = "id, tenant, name, format, bytes, records, sha256, local_dp, p
 _JOB_COLUMNS = (
     "id, tenant, corpus_id, model, principal, config, event, epsilon, delta, charge_id, state, step, "
     "steps, epsilon_so_far, loss, error, cancel_requested, worker, attempts, heartbeat_at, created_at, "
-    "started_at, finished_at, adapter_path, steps_lost"
+    "started_at, finished_at, adapter_path, steps_lost, validation_loss"
 )
 
 
@@ -115,6 +115,7 @@ class JobRow:
     finished_at: float | None
     adapter_path: str | None
     steps_lost: int = 0  # released steps not in the checkpoint a resumed attempt started from
+    validation_loss: float | None = None  # the latest loss on the public validation corpus
 
 
 def _corpus(r: Sequence[Any]) -> CorpusRow:
@@ -137,7 +138,7 @@ def _job(r: Sequence[Any]) -> JobRow:
         r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), json.loads(r[6]), float(r[7]), float(r[8]),
         None if r[9] is None else int(r[9]), r[10], int(r[11]), int(r[12]), float(r[13]),
         None if r[14] is None else float(r[14]), r[15], bool(r[16]), r[17], int(r[18]), r[19], r[20],
-        r[21], r[22], r[23], int(r[24] or 0),
+        r[21], r[22], r[23], int(r[24] or 0), None if r[25] is None else float(r[25]),
     )  # fmt: skip
 
 
@@ -340,12 +341,13 @@ class JobStore:
                     )
             x(
                 f"INSERT INTO {{p}}gdp_finetune_jobs ({_JOB_COLUMNS}) VALUES "
-                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     j.id, j.tenant, j.corpus_id, j.model, j.principal, json.dumps(j.config),
                     json.dumps(j.event), j.epsilon, j.delta, j.charge_id, j.state, j.step, j.steps,
                     j.epsilon_so_far, j.loss, j.error, int(j.cancel_requested), j.worker, j.attempts,
                     j.heartbeat_at, j.created_at, j.started_at, j.finished_at, j.adapter_path, j.steps_lost,
+                    j.validation_loss,
                 ),
             )  # fmt: skip
 
@@ -443,14 +445,24 @@ class JobStore:
         return None if row is None else _job(row)
 
     def progress(
-        self, job_id: str, worker: str, *, step: int, steps: int, epsilon_so_far: float, loss: float | None
+        self,
+        job_id: str,
+        worker: str,
+        *,
+        step: int,
+        steps: int,
+        epsilon_so_far: float,
+        loss: float | None,
+        validation_loss: float | None = None,
     ) -> bool:
-        """Record progress (and heartbeat); True when a cancel was requested (or the job is not ours)."""
+        """Record progress (and heartbeat; ``validation_loss`` when measured at this step); True when
+        a cancel was requested (or the job is not ours)."""
         with self._tx() as x:
             x(
                 "UPDATE {p}gdp_finetune_jobs SET step = ?, steps = ?, epsilon_so_far = ?, loss = ?, "
-                "heartbeat_at = {now} WHERE id = ? AND worker = ? AND state = 'running'",
-                (step, steps, epsilon_so_far, loss, job_id, worker),
+                "validation_loss = COALESCE(?, validation_loss), heartbeat_at = {now} "
+                "WHERE id = ? AND worker = ? AND state = 'running'",
+                (step, steps, epsilon_so_far, loss, validation_loss, job_id, worker),
             )
             r = x(
                 "SELECT cancel_requested, state, worker FROM {p}gdp_finetune_jobs WHERE id = ?", (job_id,)

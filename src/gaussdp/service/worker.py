@@ -146,6 +146,13 @@ def run_job(
         if corpus is None:
             raise RuntimeError("its corpus was deleted before the job started")
         records = read_corpus(corpus.path, format=corpus.format)
+        validation = None
+        val_id = job.config.get("validation_corpus_id")
+        if val_id is not None:  # declared public by the job's owner (validation_public, checked)
+            val = store.corpus(job.tenant, str(val_id))
+            if val is None:
+                raise RuntimeError("its validation corpus was deleted before the job started")
+            validation = read_corpus(val.path, format=val.format)
         config = finetune_config(job.config)
         plan = plan_finetune(config, n_records=len(records))
         if _event_dict(plan.event) != job.event:
@@ -153,7 +160,7 @@ def run_job(
 
         def progress(info: Any) -> None:
             get = info.get if isinstance(info, Mapping) else lambda k, d=None: getattr(info, k, d)
-            loss = get("loss")
+            loss, val_loss = get("loss"), get("validation_loss")
             if store.progress(
                 job.id,
                 worker,
@@ -161,6 +168,7 @@ def run_job(
                 steps=int(get("steps", plan.steps)),
                 epsilon_so_far=float(get("epsilon_so_far", get("epsilon", 0.0))),
                 loss=None if loss is None else float(loss),
+                validation_loss=None if val_loss is None else float(val_loss),
             ):
                 cancelled.set()
 
@@ -181,14 +189,9 @@ def run_job(
                 ckpt_file, every=checkpoint_every, released=job.step, on_resume=resumed
             )
         result = run_finetune(
-            model_path,
-            records,
-            config,
-            plan,
-            progress=progress,
-            should_stop=should_stop,
-            checkpoint=checkpoint,
-        )
+            model_path, records, config, plan, progress=progress, should_stop=should_stop,
+            checkpoint=checkpoint, validation=validation,
+        )  # fmt: skip
         out = adapter_dir(data_dir, job.tenant, job.id)
         final = store.job(None, job.id)
         save_adapter(
