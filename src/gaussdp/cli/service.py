@@ -59,6 +59,13 @@ def serve(
     ),
     rate_limit_burst: int | None = typer.Option(None, envvar="GAUSSDP_RATE_LIMIT_BURST", help="Bucket size."),
     text: str = typer.Option("keyed", envvar="GAUSSDP_TEXT", help="/text routes: keyed, public or off."),
+    text_vocab: Path | None = typer.Option(
+        None,
+        "--text-vocab",
+        envvar="GAUSSDP_TEXT_VOCAB",
+        help="Vocabulary of the /text page and of perturbed corpora (a .npz from `gaussdp "
+        "build-vocab`, or word2vec text/binary); default: the shipped demo vocabulary.",
+    ),
     metrics: str = typer.Option(
         "keyed", envvar="GAUSSDP_METRICS", help="/metrics: keyed (admin), public or off."
     ),
@@ -204,6 +211,18 @@ def serve(
 
         shared_dir = tempfile.mkdtemp(prefix="gaussdp-serve-")
         chosen["rate_limit_file"] = os.path.join(shared_dir, "rate-limits")
+    if text_vocab is not None:  # checked (and its id shown) before listening; workers read the env
+        from gaussdp.text.vocabulary import Vocabulary, vocabulary_id
+
+        try:
+            vocabulary = Vocabulary.load(str(text_vocab))
+        except (OSError, ValueError) as exc:
+            typer.echo(f"error: --text-vocab {str(text_vocab)!r}: {exc}", err=True)
+            raise typer.Exit(2) from None
+        typer.echo(f"text vocabulary: {len(vocabulary.words)} words, id {vocabulary_id(vocabulary)}")
+        os.environ["GAUSSDP_TEXT_VOCAB"] = str(text_vocab.resolve())
+    else:
+        os.environ.pop("GAUSSDP_TEXT_VOCAB", None)
     for name, value in chosen.items():  # the workers build their app from the environment
         if value is None:
             os.environ.pop(ENV[name], None)

@@ -179,9 +179,27 @@ def _local_dp_text(local: dict[str, Any] | None) -> list[str]:
         "are the uploader's declaration, not checked here:",
         "",
     ]
+    per_word = local.get("epsilon_per_word")
+    labels = {
+        "nearest_neighbour": "a word vs its typical nearest neighbour",
+        "worst_case": "a word vs any word of the vocabulary (worst case)",
+    }
+    if isinstance(per_word, dict):
+        for key, label in labels.items():
+            g = per_word.get(key)
+            if isinstance(g, dict) and isinstance(g.get("epsilon"), int | float):
+                delta = g.get("delta")
+                lines.append(
+                    f"- **per-word epsilon, {label}: {epsilon_text(float(g['epsilon']))}** (distance "
+                    f"{_fmt(g.get('distance'))}, delta {_fmt(delta) if delta is not None else 0})"
+                )
     for k, v in local.items():
+        if v is None or (k == "epsilon_per_word" and isinstance(per_word, dict)):
+            continue  # not declared (never printed as "None"); the per-word guarantee is above
         shown = json.dumps(v, sort_keys=True) if isinstance(v, dict | list) else _fmt(v)
         lines.append(f"- {_md(k)}: {_md(shown)}")
+    if not isinstance(per_word, dict):
+        lines.append("- per-word epsilon: not stated in the declaration")
     return lines
 
 

@@ -171,7 +171,39 @@ def make_finetune_router(
                 v = _default_vocabulary()
             all_words = frozenset(v.words)
             cache["v"] = (all_words, frozenset(w for w in all_words if words(w) == [w]), vocabulary_id(v))
+            cache["vocabulary"] = v
         return cache["v"]
+
+    def per_word(mechanism: str, sigma: float | None, epsilon: float | None) -> dict[str, Any] | None:
+        """The declared mechanism's per-word guarantee on this server's vocabulary, labelled: a
+        word vs its typical nearest neighbour, and vs any word (the vocabulary's diameter)."""
+        import math
+
+        from gaussdp.text.mechanisms import make_mechanism
+
+        vocab()
+        kwargs: dict[str, Any] = {"sigma": sigma} if sigma is not None else {"epsilon": epsilon}
+        if mechanism == "laplace" and epsilon is None:
+            return None  # the Laplace (metric DP) mechanism is described by its epsilon per unit distance
+        if mechanism == "laplace":
+            kwargs = {"epsilon": epsilon}
+        try:
+            report = make_mechanism(mechanism, cache["vocabulary"], **kwargs).report()
+        except (PrivacyError, TypeError, ValueError):
+            return None
+        out: dict[str, Any] = {}
+        for label, key in (("nearest_neighbour", "nearest_neighbour"), ("worst_case", "vocabulary_diameter")):
+            g = report[key]
+            if not all(
+                isinstance(g.get(k), int | float) and math.isfinite(g[k]) for k in ("distance", "epsilon")
+            ):
+                return None
+            out[label] = {
+                "distance": float(g["distance"]),
+                "epsilon": float(g["epsilon"]),
+                "delta": g["delta"],
+            }
+        return out
 
     api = APIRouter(tags=["fine-tuning"])
 
@@ -219,7 +251,7 @@ def make_finetune_router(
         ] = None,
     ) -> CorpusOut:
         """Upload a corpus, streamed to disk (never held in memory); see the module docstring."""
-        local_dp = None
+        local_dp: dict[str, Any] | None = None
         words_all: frozenset[str] = frozenset()
         words_clean: frozenset[str] = frozenset()
         if mechanism is None:
@@ -234,7 +266,10 @@ def make_finetune_router(
                     422,
                     f"vocabulary={vocabulary!r} is not this server's vocabulary ({vid})",
                 )
+            guarantee = await anyio.to_thread.run_sync(per_word, mechanism, sigma, epsilon)
             local_dp = {"mechanism": mechanism, "sigma": sigma, "epsilon": epsilon, "vocabulary": vid}
+            if guarantee is not None:
+                local_dp["epsilon_per_word"] = guarantee
         count, stored = await anyio.to_thread.run_sync(jobs.corpus_usage, who.tenant)
         room = quotas.max_corpus_bytes_per_tenant - stored
         declared = request.headers.get("content-length")

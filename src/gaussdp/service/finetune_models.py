@@ -21,6 +21,12 @@ class LocalDP(BaseModel):
     sigma: float | None = None
     epsilon: float | None = None
     vocabulary: str
+    epsilon_per_word: dict[str, dict[str, float | None]] | None = Field(
+        None,
+        description="The declared mechanism's per-word guarantee on this server's vocabulary: "
+        "'nearest_neighbour' (a word vs its typical nearest neighbour) and 'worst_case' (vs any "
+        "word), each with its distance, epsilon and delta (delta 0: metric DP).",
+    )
 
 
 class CorpusOut(BaseModel):
