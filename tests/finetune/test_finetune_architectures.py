@@ -2,7 +2,7 @@
 each built from a tiny config (no download) with grouped-query attention, in bf16, with the default
 LoRA targets. Their RMSNorm / LayerNorm, rotary embeddings and GQA are frozen; the per-record
 gradient norms of the adapters that the DP hooks compute in bf16 must equal a float64 loop over the
-records, one autograd call each."""
+records, one autograd call each. The same holds for an fp16 base."""
 
 from __future__ import annotations
 
@@ -56,8 +56,9 @@ def _batch(n: int = 6, width: int = 12):  # type: ignore[no-untyped-def]
     return ids, mask, lengths
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("model_type", sorted(ARCHS))
-def test_dp_lora_per_record_norms_in_bf16_match_a_float64_loop(model_type):  # type: ignore[no-untyped-def]
+def test_dp_lora_per_record_norms_in_16_bits_match_a_float64_loop(model_type, dtype):  # type: ignore[no-untyped-def]
     model64, targets = _model(model_type)
     assert targets == default_target_modules(model_type)
     ids, mask, lengths = _batch()
@@ -71,12 +72,12 @@ def test_dp_lora_per_record_norms_in_bf16_match_a_float64_loop(model_type):  # t
     ref_norms = torch.stack(ref)
     assert bool((ref_norms > 0).all())
 
-    model = copy.deepcopy(model64).to(torch.bfloat16)  # the whole model in bf16, as a user loads it
+    model = copy.deepcopy(model64).to(getattr(torch, dtype))  # the whole model in 16 bits, as loaded
     clipper = PerSampleClipper(model, max_grad_norm=1e6, loss_reduction="sum")
     try:
         per_record_loss(model, ids, mask).sum().backward()
         norms = clipper.last_norms
     finally:
         clipper.remove()
-    assert norms.dtype == torch.float32  # accumulated in float32 from bf16 parts
+    assert norms.dtype == torch.float32  # accumulated in float32 from 16-bit parts
     torch.testing.assert_close(norms.double(), ref_norms, rtol=0.02, atol=0.0)  # bf16: measured <= 0.8 %
