@@ -77,6 +77,7 @@ def test_a_public_validation_corpus_shows_a_falling_loss_on_the_job_and_the_card
     assert card["validation"]["declared_public"] is True and card["validation"]["records"] == len(held)
     assert losses[0][0] == 0 and losses[-1][0] == j["steps"]
     assert losses[-1][1] == pytest.approx(j["validation_loss"])
+    print("validation losses", [(st, round(x, 4)) for st, x in losses])
     assert losses[-1][1] < losses[0][1], losses  # the validation loss falls
     assert len(seen) >= 1
     readme = (adapter / "README.md").read_text()
