@@ -10,6 +10,9 @@ batch and steps are identical; the order of the two alternates from step to step
 
 Cases: (a) GPT-2 width 128, 2 blocks, word vocabulary 4000 (LoRA on the fused ``c_attn`` Conv1D);
 (b) GPT-2 width 256, 4 blocks; (c) Llama width 256, 2 blocks (LoRA on ``q_proj``, ``v_proj`` Linear).
+One row per architecture a user fine-tunes (issue 32), each width 256, 2 blocks, 4 query heads and
+2 key/value heads (grouped-query attention), the default LoRA targets (``q_proj``, ``v_proj``):
+(qwen2) Qwen2, (llama) Llama, (mistral) Mistral, (gemma) Gemma, (phi) Phi.
 
 Time: per repetition, a block of consecutive steps; tokens/s = non-padding tokens / seconds of the
 forward + backward + optimizer step (wall clock, and the thread's CPU time, which with one torch
@@ -25,7 +28,8 @@ backward + optimizer step alone, where the DP work happens (the whole step's pea
 with the logits, for these models). Not tracemalloc (it does not see torch's
 allocations) and not the RSS (dominated by the libraries).
 
-Run: ``.venv/bin/python benchmarks/bench_finetune.py [--reps 7] [--block 5] [--only a,b,c] [--profile]``
+Run: ``.venv/bin/python benchmarks/bench_finetune.py [--reps 7] [--block 5] [--only a,b,c] [--profile]``;
+the architecture rows: ``--only qwen2,llama,mistral,gemma,phi``.
 """
 
 from __future__ import annotations
@@ -62,6 +66,12 @@ CASES = {
     "a": ("gpt2", 128, 2, 4),
     "b": ("gpt2", 256, 4, 4),
     "c": ("llama", 256, 2, 4),
+    **{arch: (arch, 256, 2, 4) for arch in ("qwen2", "llama", "mistral", "gemma", "phi")},
+}
+ARCH_EXTRA: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": None},
+    "gemma": {"head_dim": 64},
+    "phi": {"partial_rotary_factor": 0.5},
 }
 
 
@@ -70,6 +80,21 @@ def build_base(case: str, tmp: Path) -> Path:
     gpt2 = tiny_causal_lm(tmp / "gpt2", vocab_size=4000, n_embd=width, n_layer=layers, n_head=heads)
     if arch == "gpt2":
         return gpt2
+    if case == arch:  # a row per architecture: grouped-query attention, from the model type's config
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(gpt2, local_files_only=True)
+        torch.manual_seed(0)
+        cfg = AutoConfig.for_model(
+            arch, num_hidden_layers=layers, hidden_size=width, intermediate_size=4 * width,
+            num_attention_heads=heads, num_key_value_heads=heads // 2, vocab_size=len(tok),
+            max_position_embeddings=128, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id, **ARCH_EXTRA.get(arch, {}),
+        )  # fmt: skip
+        out = tmp / arch
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+        tok.save_pretrained(out)
+        return out
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(gpt2, local_files_only=True)
@@ -275,7 +300,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--block", type=int, default=5, help="consecutive steps per timed block")
-    ap.add_argument("--only", default="a,b,c")
+    ap.add_argument("--only", default="a,b,c", help="cases: a,b,c and/or qwen2,llama,mistral,gemma,phi")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU time is meaningful)")
     ap.add_argument("--profile", action="store_true", help="print torch profiler tables")
     args = ap.parse_args()

@@ -153,3 +153,15 @@ def test_readme_finetune_flow(tmp_path: Path) -> None:
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base-lm", local_files_only=True)
     model = PeftModel.from_pretrained(base, tmp_path / "adapter")
     assert any("lora_" in n for n, _ in model.named_parameters())
+
+
+def test_readme_text_page_flow(tmp_path: Path) -> None:
+    """`gaussdp serve --text-vocab` serves the vocabulary it names on the /text page."""
+    gensim = pytest.importorskip("gensim")
+    lee = Path(gensim.__file__).parent / "test" / "test_data" / "lee_background.cor"
+    (tmp_path / "notes.txt").write_text(lee.read_text(encoding="utf-8"), encoding="utf-8")
+    out = _run_flow("text-page", tmp_path, timeout_s=120)
+    n = int(re.search(r"page vocabulary (\d+) words", out).group(1))  # type: ignore[union-attr]
+    from gaussdp.text.corpus import shipped_vocabulary
+
+    assert n != len(shipped_vocabulary().words), out  # not the demo vocabulary

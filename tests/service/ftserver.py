@@ -66,7 +66,9 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-def start_ft_server(db, data_dir, model_dir, log_path, *, lease_s=60.0, workers=1, timeout=120.0) -> FtServer:  # type: ignore[no-untyped-def]
+def start_ft_server(
+    db, data_dir, model_dir, log_path, *, lease_s=60.0, workers=1, timeout=120.0, extra_args=()
+) -> FtServer:  # type: ignore[no-untyped-def]
     """Start `gaussdp serve --data-dir ... --model tiny=...` and wait until /healthz answers."""
     import subprocess
     import sys
@@ -78,7 +80,7 @@ def start_ft_server(db, data_dir, model_dir, log_path, *, lease_s=60.0, workers=
     cmd = [
         sys.executable, "-m", "gaussdp.cli", "serve", "--db", db, "--port", str(port),
         "--data-dir", str(data_dir), "--model", f"tiny={model_dir}",
-        "--finetune-workers", str(workers), "--finetune-lease-s", str(lease_s),
+        "--finetune-workers", str(workers), "--finetune-lease-s", str(lease_s), *extra_args,
     ]  # fmt: skip
     log = open(log_path, "ab")
     proc = subprocess.Popen(

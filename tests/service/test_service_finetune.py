@@ -78,12 +78,22 @@ def test_end_to_end_perturbed_corpus_to_private_adapter(rig, perturbed_corpus, t
         assert r.status_code == 201, r.text
         corpus = r.json()
         assert corpus["records"] == len([ln for ln in text.split("\n") if ln.strip()])
+        per_word = corpus["local_dp"].pop("epsilon_per_word")
         assert corpus["local_dp"] == {
             "mechanism": "gaussian",
             "sigma": sigma,
             "epsilon": None,
             "vocabulary": vocab_id,
         }
+        # the per-word guarantee of the declared sigma on the server's vocabulary, both distances
+        from gaussdp.calibration import epsilon_for
+
+        for label in ("nearest_neighbour", "worst_case"):
+            g = per_word[label]
+            assert g["epsilon"] == pytest.approx(
+                epsilon_for(sigma=sigma, delta=g["delta"], sensitivity=g["distance"]), rel=1e-9
+            )
+        assert per_word["nearest_neighbour"]["epsilon"] < per_word["worst_case"]["epsilon"]
         assert corpus["bytes"] == len(text.encode())
         # raw (unperturbed) text declared as perturbed is refused, naming the line
         raw = "the and in\nHello, Zyxwvut qqqq!\n"
@@ -136,7 +146,12 @@ def test_end_to_end_perturbed_corpus_to_private_adapter(rig, perturbed_corpus, t
         f"steps={job['steps']} card epsilon={_card_epsilon(card)!r} "
         f"ledger spent={session_after['spent']['epsilon']!r} pld accountant={expected!r} (delta=1e-5)"
     )
-    assert "perturbed" in (out / "README.md").read_text().lower() or card.get("local_dp")
+    readme = (out / "README.md").read_text()
+    assert "perturbed" in readme.lower() or card.get("local_dp")
+    # both guarantees with their numbers: the central epsilon and the local per-word epsilons
+    assert "None" not in readme
+    assert "per-word epsilon, a word vs its typical nearest neighbour" in readme
+    assert "per-word epsilon, a word vs any word of the vocabulary (worst case)" in readme
 
     base = transformers.AutoModelForCausalLM.from_pretrained(rig.model, local_files_only=True)
     tok = transformers.AutoTokenizer.from_pretrained(rig.model, local_files_only=True)

@@ -1,5 +1,6 @@
-"""A crash (SIGKILL of `gaussdp serve` and its fine-tuning worker) during a running job: after the
-restart the job is failed, never re-run; its charge stays; other rows are unchanged."""
+"""A crash (SIGKILL of `gaussdp serve` and its fine-tuning worker) during a running job, under the
+old rule (`--on-interrupt fail`): after the restart the job is failed, never re-run; its charge
+stays; other rows are unchanged. (The default, resuming, is tests/service/test_service_finetune_resume.py.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ pytest.importorskip("peft")
 httpx = pytest.importorskip("httpx")
 
 pytestmark = pytest.mark.slow
+
+OLD_RULE = ("--on-interrupt", "fail")
 
 
 def _wait(predicate, timeout: float = 180.0, what: str = ""):  # type: ignore[no-untyped-def]
@@ -36,7 +39,9 @@ def test_a_job_interrupted_by_a_crash_is_failed_not_rerun(tmp_path, tiny_model, 
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
     with Ledger(db) as ledger:
         h = {"Authorization": f"Bearer {create_api_key(ledger.store, 'crash')}"}
-    server = start_ft_server(db, tmp_path / "data", tiny_model, tmp_path / "server.log", lease_s=600.0)
+    server = start_ft_server(
+        db, tmp_path / "data", tiny_model, tmp_path / "server.log", lease_s=600.0, extra_args=OLD_RULE
+    )
     try:
         with httpx.Client(base_url=server.url, timeout=60.0) as c:
             corpus = c.post(
@@ -69,7 +74,9 @@ def test_a_job_interrupted_by_a_crash_is_failed_not_rerun(tmp_path, tiny_model, 
         assert store.job(None, job["id"]).state == "running"  # as the crash left it
     finally:
         store.close()
-    server = start_ft_server(db, tmp_path / "data", tiny_model, tmp_path / "server2.log", lease_s=600.0)
+    server = start_ft_server(
+        db, tmp_path / "data", tiny_model, tmp_path / "server2.log", lease_s=600.0, extra_args=OLD_RULE
+    )
     try:
         with httpx.Client(base_url=server.url, timeout=60.0) as c:
             after = c.get(f"/v1/finetune-jobs/{job['id']}", headers=h).json()

@@ -118,6 +118,19 @@ def test_text_cli_perturb_train_stats(tmp_path):
     assert res.exit_code == 0, res.output
     assert len(dst.read_text().split()) == len(words(DEMO_PARAGRAPH))
     assert json.loads(rep.read_text())["params"]["sigma"] == 0.3
+
+    # every epsilon in the report and on the screen says what it is about (one word or the whole text)
+    def epsilons(d, where=""):  # type: ignore[no-untyped-def]
+        if isinstance(d, dict):
+            if "epsilon" in d:
+                yield where, d
+            for k, v in d.items():
+                yield from epsilons(v, f"{where}.{k}")
+
+    found = list(epsilons(json.loads(rep.read_text())))
+    assert len(found) == 4 and all("what" in g for _, g in found), found
+    assert sum("whole text" in g["what"] for _, g in found) == 2
+    assert "one word vs its typical nearest neighbour" in res.output and "whole text" in res.output
     res = runner.invoke(app, ["perturb-text", str(src), str(dst), "--mechanism", "tem", "--epsilon", "10"])
     assert res.exit_code == 0, res.output
     bad = tmp_path / "bad.txt"

@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 # Revisions in order; the last is the head this code reads and writes (a test checks it is alembic's).
-SCHEMA_VERSIONS = ("0001", "0002", "0003", "0004", "0005")
+SCHEMA_VERSIONS = ("0001", "0002", "0003", "0004", "0005", "0006")
 SCHEMA_HEAD = SCHEMA_VERSIONS[-1]
 VERSION_TABLE = "gdp_schema_version"
 _MIGRATIONS = Path(__file__).with_name("migrations")

@@ -60,6 +60,13 @@ def serve(
     ),
     rate_limit_burst: int | None = typer.Option(None, envvar="GAUSSDP_RATE_LIMIT_BURST", help="Bucket size."),
     text: str = typer.Option("keyed", envvar="GAUSSDP_TEXT", help="/text routes: keyed, public or off."),
+    text_vocab: Path | None = typer.Option(
+        None,
+        "--text-vocab",
+        envvar="GAUSSDP_TEXT_VOCAB",
+        help="Vocabulary of the /text page and of perturbed corpora (a .npz from `gaussdp "
+        "build-vocab`, or word2vec text/binary); default: the shipped demo vocabulary.",
+    ),
     metrics: str = typer.Option(
         "keyed", envvar="GAUSSDP_METRICS", help="/metrics: keyed (admin), public or off."
     ),
@@ -113,7 +120,24 @@ def serve(
         60.0,
         "--finetune-lease-s",
         envvar="GAUSSDP_FINETUNE_LEASE_S",
-        help="A running job without a worker heartbeat this long is marked failed (never re-run).",
+        help="A running job without a worker heartbeat this long is interrupted (see --on-interrupt).",
+    ),
+    on_interrupt: str = typer.Option(
+        "resume",
+        "--on-interrupt",
+        envvar="GAUSSDP_FINETUNE_ON_INTERRUPT",
+        help="A job interrupted by a crash or stop: 'resume' (queued again, resumed from its last "
+        "checkpoint, no released step run twice) or 'fail' (failed, never re-run). The charge stays.",
+    ),
+    checkpoint_every: int = typer.Option(
+        10,
+        "--checkpoint-every",
+        envvar="GAUSSDP_FINETUNE_CHECKPOINT_EVERY",
+        min=1,
+        help="Steps between a job's checkpoints under --data-dir (1: a crash loses no step).",
+    ),
+    max_attempts: int = typer.Option(
+        3, "--max-attempts", min=1, help="Workers that may take one job before an interruption fails it."
     ),
     max_streams: int = typer.Option(
         32, envvar="GAUSSDP_MAX_STREAMS", min=0, help="Generations (streams or POSTs) at once, per worker."
@@ -209,6 +233,18 @@ def serve(
 
         shared_dir = tempfile.mkdtemp(prefix="gaussdp-serve-")
         chosen["rate_limit_file"] = os.path.join(shared_dir, "rate-limits")
+    if text_vocab is not None:  # checked (and its id shown) before listening; workers read the env
+        from gaussdp.text.vocabulary import Vocabulary, vocabulary_id
+
+        try:
+            vocabulary = Vocabulary.load(str(text_vocab))
+        except (OSError, ValueError) as exc:
+            typer.echo(f"error: --text-vocab {str(text_vocab)!r}: {exc}", err=True)
+            raise typer.Exit(2) from None
+        typer.echo(f"text vocabulary: {len(vocabulary.words)} words, id {vocabulary_id(vocabulary)}")
+        os.environ["GAUSSDP_TEXT_VOCAB"] = str(text_vocab.resolve())
+    else:
+        os.environ.pop("GAUSSDP_TEXT_VOCAB", None)
     for name, value in chosen.items():  # the workers build their app from the environment
         if value is None:
             os.environ.pop(ENV[name], None)
@@ -245,7 +281,11 @@ def serve(
             typer.echo(f"no API keys yet: create one with  gaussdp keys create TENANT --db {db}", err=True)
     job_workers: list[Any] = []
     if data_dir is not None:
-        job_workers = _start_job_workers(db, data_dir, model, finetune_workers, lease_s)
+        if on_interrupt not in ("resume", "fail"):
+            raise typer.BadParameter(f"--on-interrupt must be 'resume' or 'fail', got {on_interrupt!r}")
+        job_workers = _start_job_workers(
+            db, data_dir, model, finetune_workers, lease_s, on_interrupt, checkpoint_every, max_attempts
+        )
     scheme = "https" if ssl_certfile else "http"
     typer.echo(
         f"gaussdp service on {scheme}://{host}:{port} with {workers} worker(s)  "
@@ -274,8 +314,17 @@ def serve(
             shutil.rmtree(shared_dir, ignore_errors=True)
 
 
-def _start_job_workers(db: str, data_dir: Path, model: list[str], n: int, lease_s: float) -> list[Any]:
-    """Mark jobs interrupted by a crash as failed, then start ``n`` local ``gaussdp worker`` processes."""
+def _start_job_workers(
+    db: str,
+    data_dir: Path,
+    model: list[str],
+    n: int,
+    lease_s: float,
+    on_interrupt: str = "resume",
+    checkpoint_every: int = 10,
+    max_attempts: int = 3,
+) -> list[Any]:
+    """Queue again (or fail) jobs interrupted by a crash, then start ``n`` local ``gaussdp worker``s."""
     import subprocess
     import sys
 
@@ -284,12 +333,16 @@ def _start_job_workers(db: str, data_dir: Path, model: list[str], n: int, lease_
     data_dir.mkdir(parents=True, exist_ok=True)
     store = JobStore(db)
     try:
-        for job_id in store.fail_abandoned(lease_s):
-            typer.echo(f"fine-tuning job {job_id} was interrupted by a restart: marked failed", err=True)
+        resume = on_interrupt == "resume"
+        for job_id in store.fail_abandoned(lease_s, resume=resume, max_attempts=max_attempts):
+            job = store.job(None, job_id)
+            what = "queued again to resume" if job is not None and job.state == "queued" else "marked failed"
+            typer.echo(f"fine-tuning job {job_id} was interrupted by a restart: {what}", err=True)
     finally:
         store.close()
     args = [sys.executable, "-m", "gaussdp.cli", "worker", "--db", db, "--data-dir", str(data_dir.resolve())]
-    args += ["--lease-s", str(lease_s), "--parent-pid", str(_pid())]
+    args += ["--lease-s", str(lease_s), "--parent-pid", str(_pid()), "--on-interrupt", on_interrupt]
+    args += ["--checkpoint-every", str(checkpoint_every), "--max-attempts", str(max_attempts)]
     for spec in model:
         args += ["--model", spec]
     procs = [subprocess.Popen(args) for _ in range(n)]
@@ -318,6 +371,20 @@ def worker(
     poll_s: float = typer.Option(1.0, "--poll-s", help="Seconds between looks at an empty queue."),
     max_jobs: int | None = typer.Option(None, "--max-jobs", min=1, help="Exit after this many jobs."),
     parent_pid: int | None = typer.Option(None, "--parent-pid", hidden=True),
+    on_interrupt: str = typer.Option(
+        "resume",
+        "--on-interrupt",
+        envvar="GAUSSDP_FINETUNE_ON_INTERRUPT",
+        help="'resume' (an interrupted job is queued again and resumed from its checkpoint) or 'fail'.",
+    ),
+    checkpoint_every: int = typer.Option(
+        10,
+        "--checkpoint-every",
+        envvar="GAUSSDP_FINETUNE_CHECKPOINT_EVERY",
+        min=1,
+        help="Steps between a job's checkpoints (1: a crash loses no step).",
+    ),
+    max_attempts: int = typer.Option(3, "--max-attempts", min=1, help="Claims of a job before it fails."),
 ) -> None:
     """Run fine-tuning jobs from the ledger's database (PostgreSQL for several machines).
 
@@ -347,11 +414,14 @@ def worker(
     def _interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _interrupt)  # a stopped server's workers end their job as failed
+    signal.signal(signal.SIGTERM, _interrupt)  # a stopped server's workers requeue (or fail) their job
     try:
+        if on_interrupt not in ("resume", "fail"):
+            raise typer.BadParameter(f"--on-interrupt must be 'resume' or 'fail', got {on_interrupt!r}")
         run_worker(
-            db, data_dir, models, poll_s=poll_s, lease_s=lease_s, max_jobs=max_jobs, parent_pid=parent_pid
-        )
+            db, data_dir, models, poll_s=poll_s, lease_s=lease_s, max_jobs=max_jobs, parent_pid=parent_pid,
+            on_interrupt=on_interrupt, checkpoint_every=checkpoint_every, max_attempts=max_attempts,
+        )  # fmt: skip
     except KeyboardInterrupt:
         pass
 

@@ -138,10 +138,15 @@ class FinetuneCalls:
         lora_rank: int = 8,
         lora_alpha: float = 16.0,
         target_modules: list[str] | None = None,
+        validation_corpus_id: str | None = None,
+        validation_public: bool = False,
     ) -> FinetuneJob:
         """Plan a DP-LoRA job (``target_epsilon`` or ``noise_multiplier``; one record = one line),
         charge its whole run to ``session_id`` and queue it. Refused (``BudgetExhausted``, nothing
-        charged or queued) when the session cannot pay. Not retried: the job id is the server's."""
+        charged or queued) when the session cannot pay. Not retried: the job id is the server's.
+
+        ``validation_corpus_id`` (with ``validation_public=True``, your declaration that it is
+        public data): the adapter's loss on it is shown on the job and its card, not charged."""
         lora: dict[str, Any] = {"rank": int(lora_rank), "alpha": float(lora_alpha)}
         if target_modules is not None:
             lora["target_modules"] = list(target_modules)
@@ -156,6 +161,9 @@ class FinetuneCalls:
             "max_seq_len": int(max_seq_len),
             "clip_norm": float(clip_norm),
         }
+        if validation_corpus_id is not None:
+            body["validation_corpus_id"] = validation_corpus_id
+            body["validation_public"] = bool(validation_public)
         for key, value in (
             ("target_epsilon", target_epsilon),
             ("noise_multiplier", noise_multiplier),

@@ -208,6 +208,9 @@ class FinetuneJob:
     noise_multiplier: float | None
     sample_rate: float | None
     charge_id: int | None
+    validation_loss: float | None = None  # on the job's public validation corpus, if it has one
+    attempts: int = 0  # workers that took it (> 1: resumed after interruptions)
+    steps_lost: int = 0  # released before an interruption, not in the resumed checkpoint
 
     @property
     def done(self) -> bool:
@@ -230,4 +233,7 @@ class FinetuneJob:
             d.get("noise_multiplier"),
             d.get("sample_rate"),
             d.get("charge_id"),
+            d.get("validation_loss"),
+            int(d.get("attempts", 0)),
+            int(d.get("steps_lost", 0)),
         )

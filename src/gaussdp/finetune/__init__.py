@@ -47,6 +47,7 @@ from gaussdp.finetune.plan import (
 from gaussdp.finetune.tiny import tiny_causal_lm
 from gaussdp.finetune.train import (
     FinetuneCancelled,
+    FinetuneCheckpoint,
     FinetuneProgress,
     FinetuneResult,
     check_model,
@@ -60,6 +61,7 @@ __all__ = [
     "CORPUS_FORMATS",
     "MAX_STEPS",
     "FinetuneCancelled",
+    "FinetuneCheckpoint",
     "FinetuneConfig",
     "FinetunePlan",
     "FinetuneProgress",

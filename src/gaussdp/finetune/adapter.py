@@ -80,7 +80,11 @@ def check_local_dp(local_dp: Any) -> dict[str, Any] | None:
 
 
 def privacy_summary(
-    result: FinetuneResult, *, local_dp: dict[str, Any] | None = None, corpus_name: str | None = None
+    result: FinetuneResult,
+    *,
+    local_dp: dict[str, Any] | None = None,
+    corpus_name: str | None = None,
+    attempts: int = 1,
 ) -> dict[str, Any]:
     """The facts the model card states, as plain JSON values (``gaussdp_privacy.json``)."""
     import gaussdp
@@ -106,6 +110,9 @@ def privacy_summary(
             "sample_rate": plan.sample_rate,
             "sampling": "poisson",
             "steps": result.steps_done,
+            "steps_applied": result.steps_applied or result.steps_done - result.steps_lost,
+            "steps_lost": result.steps_lost,
+            "attempts": attempts,
             "planned_steps": plan.steps,
             "planned_epsilon": plan.epsilon,
             "epochs": plan.epochs,
@@ -118,6 +125,14 @@ def privacy_summary(
             "noise_source": result.noise_stream,
         },
         "local_dp": check_local_dp(local_dp),
+        "validation": None
+        if not result.validation_losses
+        else {
+            "declared_public": True,
+            "records": result.validation_records,
+            "loss": "per-record mean next-token cross-entropy, averaged over the records",
+            "losses": [[st, loss] for st, loss in result.validation_losses],
+        },
         "lora": {
             "rank": cfg.lora_rank,
             "alpha": cfg.lora_alpha,
@@ -164,17 +179,39 @@ def _local_dp_text(local: dict[str, Any] | None) -> list[str]:
         "are the uploader's declaration, not checked here:",
         "",
     ]
+    per_word = local.get("epsilon_per_word")
+    labels = {
+        "nearest_neighbour": "a word vs its typical nearest neighbour",
+        "worst_case": "a word vs any word of the vocabulary (worst case)",
+    }
+    if isinstance(per_word, dict):
+        for key, label in labels.items():
+            g = per_word.get(key)
+            if isinstance(g, dict) and isinstance(g.get("epsilon"), int | float):
+                delta = g.get("delta")
+                lines.append(
+                    f"- **per-word epsilon, {label}: {epsilon_text(float(g['epsilon']))}** (distance "
+                    f"{_fmt(g.get('distance'))}, delta {_fmt(delta) if delta is not None else 0})"
+                )
     for k, v in local.items():
+        if v is None or (k == "epsilon_per_word" and isinstance(per_word, dict)):
+            continue  # not declared (never printed as "None"); the per-word guarantee is above
         shown = json.dumps(v, sort_keys=True) if isinstance(v, dict | list) else _fmt(v)
         lines.append(f"- {_md(k)}: {_md(shown)}")
+    if not isinstance(per_word, dict):
+        lines.append("- per-word epsilon: not stated in the declaration")
     return lines
 
 
 def model_card(
-    result: FinetuneResult, *, local_dp: dict[str, Any] | None = None, corpus_name: str | None = None
+    result: FinetuneResult,
+    *,
+    local_dp: dict[str, Any] | None = None,
+    corpus_name: str | None = None,
+    attempts: int = 1,
 ) -> str:
     """The adapter's ``README.md``: what it is and both privacy guarantees, in plain words."""
-    s = privacy_summary(result, local_dp=local_dp, corpus_name=corpus_name)
+    s = privacy_summary(result, local_dp=local_dp, corpus_name=corpus_name, attempts=attempts)
     c = s["central_dp"]
     corpus = _md(corpus_name) if corpus_name else "an uploaded corpus"
     eps, delta = epsilon_text(c["epsilon"]), format_exact(c["delta"])
@@ -214,12 +251,31 @@ def model_card(
         f"{_fmt(c['expected_batch_size'])} of {c['n_records']} records)",
         f"- steps: {c['steps']} of {c['planned_steps']} planned ({c['epochs']} epoch(s)); planned "
         f"epsilon {epsilon_text(c['planned_epsilon'])}",
+        f"- resumed after interruptions: {c['attempts'] - 1} time(s); steps lost: {c['steps_lost']} "
+        f"(released, so counted above, but their updates are not in the adapter: "
+        f"{c['steps_applied']} applied)",
         f"- noise multiplier {_fmt(c['noise_multiplier'])}, per-record clip norm "
         f"{_fmt(c['clip_norm'])} over all LoRA parameters",
         f"- noise source: {_md(c['noise_source'])}",
         "",
     ]
     lines += _local_dp_text(s["local_dp"])
+    v = s["validation"]
+    if v is not None:
+        (s0, l0), (s1, l1) = v["losses"][0], v["losses"][-1]
+        lines += [
+            "",
+            "## Validation",
+            "",
+            f"**Validation loss: {l0:.4f} at step {s0} -> {l1:.4f} at step {s1}** (mean per-record "
+            f"next-token cross-entropy on {v['records']} records that the data scientist declared "
+            "public: measured on the adapter without noise and not charged, since it reveals "
+            "nothing about the private corpus beyond the adapter itself).",
+            "",
+            "| step | validation loss |",
+            "|---|---|",
+            *(f"| {st} | {loss:.4f} |" for st, loss in v["losses"]),
+        ]
     lines += [
         "",
         "The two guarantees protect different things: the local one each word of the upload, "
@@ -238,6 +294,7 @@ def save_adapter(
     *,
     local_dp: dict[str, Any] | None = None,
     corpus_name: str | None = None,
+    attempts: int = 1,
 ) -> Path:
     """Write the adapter (peft format), its model card and ``gaussdp_privacy.json`` to ``out_dir``.
 
@@ -248,12 +305,13 @@ def save_adapter(
             ``{"mechanism": "gaussian", "sigma": 0.4, "epsilon_per_word": 3.1, "vocabulary":
             "glove-50"}``, JSON values only; ``None`` -> "not declared" in the card.
         corpus_name: shown in the card.
+        attempts: how many workers took the job (> 1: it was resumed after interruptions).
 
     Returns:
         ``out_dir`` as a ``Path``.
     """
-    summary = privacy_summary(result, local_dp=local_dp, corpus_name=corpus_name)  # validate first
-    card = model_card(result, local_dp=local_dp, corpus_name=corpus_name)
+    summary = privacy_summary(result, local_dp=local_dp, corpus_name=corpus_name, attempts=attempts)
+    card = model_card(result, local_dp=local_dp, corpus_name=corpus_name, attempts=attempts)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result.peft_model.save_pretrained(out, safe_serialization=True)

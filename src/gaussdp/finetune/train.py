@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -36,6 +37,7 @@ from gaussdp.finetune.plan import (
 
 __all__ = [
     "FinetuneCancelled",
+    "FinetuneCheckpoint",
     "FinetuneProgress",
     "FinetuneResult",
     "check_model",
@@ -68,6 +70,55 @@ class FinetuneCancelled(RuntimeError):
 
 
 @dataclass(frozen=True)
+class FinetuneCheckpoint:
+    """Where :func:`run_finetune` keeps its state so that a run interrupted by a crash resumes.
+
+    Every ``every`` steps (and never after the last) the adapters, the optimizer's state and the
+    engine's accountant (every event composed, the steps) are written to ``path`` atomically (a
+    temporary file, fsync, rename), together with ``released``, the steps whose noise was released
+    so far, and ``applied``, the updates in the saved weights. A run given an existing ``path``
+    resumes from it.
+
+    Soundness of a resume (why no step is released twice and the charge covers it): a step counts
+    as *released* once it is in a checkpoint or was reported (``released`` below: the job row's
+    ``step``, written after each step with its epsilon). A resumed run starts from the checkpoint's
+    weights and composes, besides the checkpoint's steps, the reported steps after it: they are
+    *lost* (their noisy updates died with the process) but stay counted as released, because what
+    was reported about them (their progress, a validation loss) may have been seen. The run then
+    takes only the plan's remaining steps with fresh Poisson samples and fresh noise. So the
+    accountant composes exactly ``plan.steps`` steps in all, the plan that was charged once; the
+    final adapter is a post-processing of those releases; and no released step is run again. A step
+    in flight at the crash that was neither checkpointed nor reported left no trace anyone can see
+    and is simply not counted (its noise and sample were discarded). Poisson sampling draws every
+    step's batch independently, so the data order needs no saved position; with ``seed`` (not
+    private) a resumed run is not bit-identical to an uninterrupted one.
+
+    Attributes:
+        path: the checkpoint file (its directory is created).
+        every: steps between checkpoints (>= 1). With 1 no step is ever lost, at the cost of one
+            write (adapters + optimizer state, small for LoRA) per step.
+        released: steps reported released before this run (0 for a new run).
+        on_resume: called once, before training, with ``(resumed_from, lost)`` when resuming
+            (``path`` exists, or ``released`` > 0: then from the fresh adapters, ``resumed_from`` 0):
+            the checkpoint's released steps and the lost steps after it.
+    """
+
+    path: Path
+    every: int = 10
+    released: int = 0
+    on_resume: Callable[[int, int], None] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+        for name in ("every", "released"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "every" else 0):
+                raise InvalidParameter(f"{name} must be an int >= {1 if name == 'every' else 0}, got {v!r}")
+        if self.on_resume is not None and not callable(self.on_resume):
+            raise TypeError(f"on_resume must be callable or None, got {type(self.on_resume).__name__}")
+
+
+@dataclass(frozen=True)
 class FinetuneProgress:
     """One step's report to ``progress``.
 
@@ -78,12 +129,16 @@ class FinetuneProgress:
         loss: mean per-record training loss of this step's batch, or ``None``: it is computed from
             the records WITHOUT noise, so it is not covered by the DP guarantee and is only given with
             ``report_loss=True`` (``None`` also for an empty Poisson batch).
+        validation_loss: mean per-record loss of the adapter on the public ``validation`` records,
+            at the steps where it is measured (else ``None``): a function of the DP adapter and of
+            data declared public, so covered by the guarantee at no extra cost.
     """
 
     step: int
     steps: int
     epsilon_so_far: float
     loss: float | None
+    validation_loss: float | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +167,12 @@ class FinetuneResult:
         charged: what the engine's own accountant composed during training, as ``(event, count)``
             pairs: the plan's step event, once per step (checked equal to ``plan.event`` as
             accountants flatten it: ``gaussdp.accounting.events.flatten_event``).
+        steps_applied: noisy updates in the adapter's weights (the optimizer's own count):
+            ``steps_done - steps_lost``.
+        steps_lost: released steps whose updates were lost in crashes (:class:`FinetuneCheckpoint`).
+        resumed_from: the checkpoint's released steps this run resumed from (0: a fresh run).
+        validation_losses: ``(step, loss)`` pairs measured on the public ``validation`` records
+            (step 0: the base model with fresh adapters, i.e. the base's own loss); ``()`` without.
     """
 
     peft_model: Any
@@ -132,6 +193,14 @@ class FinetuneResult:
     seconds: float
     train_seconds: float
     charged: tuple[tuple[Any, int], ...] = ()
+    steps_applied: int = 0
+    steps_lost: int = 0
+    resumed_from: int = 0
+    validation_losses: tuple[tuple[int, float], ...] = ()
+    validation_records: int = 0
+
+
+MAX_VALIDATION_RECORDS = 2048  # bounded work: the validation loss is measured up to ~11 times a run
 
 
 def _model_config(model_path: str | Path) -> tuple[Path, Any]:
@@ -325,6 +394,9 @@ def run_finetune(
     report_loss: bool = False,
     device: str | None = None,
     max_physical_batch_size: int | None = None,
+    checkpoint: FinetuneCheckpoint | None = None,
+    validation: Sequence[str] | None = None,
+    validation_every: int | None = None,
 ) -> FinetuneResult:
     """Fine-tune LoRA adapters of a local causal LM on ``records`` with DP-SGD, exactly as planned.
 
@@ -355,6 +427,13 @@ def run_finetune(
         device: torch device to train on (default ``"cpu"``).
         max_physical_batch_size: split each Poisson batch into forward/backward passes of at most
             this many records (memory), still one noised step per batch; default: no split.
+        checkpoint: save state every ``checkpoint.every`` steps and resume from ``checkpoint.path``
+            when it exists (:class:`FinetuneCheckpoint` says why a resume is sound).
+        validation: records the caller declares PUBLIC (at most 2048), on which the adapter's mean
+            per-record loss is measured before training, every ``validation_every`` steps and after
+            the last (``FinetuneProgress.validation_loss``, ``result.validation_losses``). The loss
+            is released without noise: never pass private records here.
+        validation_every: steps between measurements (default: about ten in the run).
 
     Returns:
         A :class:`FinetuneResult`.
@@ -386,6 +465,22 @@ def run_finetune(
         raise InvalidParameter(
             f"max_physical_batch_size must be an int >= 1 or None, got {max_physical_batch_size!r}"
         )
+    if validation is not None:
+        if isinstance(validation, str) or not isinstance(validation, Sequence):
+            raise TypeError(f"validation must be a sequence of strings, got {type(validation).__name__}")
+        if not 1 <= len(validation) <= MAX_VALIDATION_RECORDS:
+            raise InvalidParameter(
+                f"validation must hold 1 to {MAX_VALIDATION_RECORDS} records, got {len(validation)}"
+            )
+        for i, r in enumerate(validation):
+            if not isinstance(r, str) or not r.strip():
+                raise InvalidParameter(f"validation[{i}] must be a non-empty string, got {r!r:.40}")
+    if validation_every is not None and (
+        isinstance(validation_every, bool) or not isinstance(validation_every, int) or validation_every < 1
+    ):
+        raise InvalidParameter(f"validation_every must be an int >= 1 or None, got {validation_every!r}")
+    if checkpoint is not None and not isinstance(checkpoint, FinetuneCheckpoint):
+        raise TypeError(f"checkpoint must be a FinetuneCheckpoint or None, got {type(checkpoint).__name__}")
     for name, fn in (("progress", progress), ("should_stop", should_stop)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
@@ -401,7 +496,7 @@ def run_finetune(
     with _seeded(seed):  # a seeded run also fixes LoRA's initialisation and the base's dropout
         return _train(
             model_path, records, config, plan, progress, should_stop, seed, report_loss, dev,
-            max_physical_batch_size,
+            max_physical_batch_size, checkpoint, validation, validation_every,
         )  # fmt: skip
 
 
@@ -416,6 +511,9 @@ def _train(
     report_loss: bool,
     dev: Any,
     max_physical_batch_size: int | None,
+    checkpoint: FinetuneCheckpoint | None = None,
+    validation: Sequence[str] | None = None,
+    validation_every: int | None = None,
 ) -> FinetuneResult:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -430,7 +528,8 @@ def _train(
     ids, mask = tokenize_records(tokenizer, records, config.max_seq_len)
     peft_model, targets = wrap_lora(model, config)
     peft_model.to(dev)
-    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    named_trainable = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
+    trainable = [p for _, p in named_trainable]
     optimizer = torch.optim.Adam(trainable, lr=config.learning_rate)
     # batch_size gives the loader ceil(n / batch_size) = plan.steps_per_epoch batches, from which the
     # engine takes its Poisson sample rate 1 / len(loader): the plan's, checked below
@@ -454,9 +553,43 @@ def _train(
             )
         losses: list[float] = []
         tokens = 0
-        step = 0
+        step = 0  # steps released (noised and counted by the engine's accountant)
+        lost = resumed_from = 0
+        if checkpoint is not None and (checkpoint.path.is_file() or checkpoint.released):
+            resumed_from, lost_before = 0, 0  # no checkpoint yet: from the fresh adapters
+            if checkpoint.path.is_file():
+                resumed_from, lost_before = _load_checkpoint(
+                    checkpoint.path, plan, engine, named_trainable, optimizer
+                )
+            step = max(resumed_from, checkpoint.released)
+            if step > plan.steps:
+                raise RuntimeError(f"{step} steps were released, more than the plan's {plan.steps}")
+            lost = step - resumed_from  # this resume's: the checkpoint's own are in lost_before
+            from gaussdp.accounting import SubsampledGaussianEvent
+
+            for _ in range(lost):  # released before the crash, updates lost: counted, never re-run
+                engine.accountant.compose(SubsampledGaussianEvent(plan.noise_multiplier, engine.sample_rate))
+                engine.accountant.step(noised=True)
+            if checkpoint.on_resume is not None:
+                checkpoint.on_resume(resumed_from, lost)
+            lost += lost_before
+        val_losses: list[tuple[int, float]] = []
+        val = None if validation is None else tokenize_records(tokenizer, validation, config.max_seq_len)
+        val_every = validation_every or max(1, plan.steps // 10)
+
+        def measure() -> float | None:
+            if val is None:
+                return None
+            loss = _mean_loss(peft_model, val, config.batch_size, dev)
+            val_losses.append((step, loss))
+            return loss
+
+        if step == 0:
+            first = measure()
+            if first is not None and progress is not None:
+                progress(FinetuneProgress(0, plan.steps, 0.0, None, first))
         t_train = time.perf_counter()
-        for batch in _batches(dp_loader, plan.epochs):
+        for batch in _batches(dp_loader, plan.steps - step):
             if should_stop is not None and should_stop():
                 raise FinetuneCancelled(step, _epsilon_after(plan, step))
             b_ids, b_mask = batch
@@ -479,14 +612,20 @@ def _train(
                 count += len(c_ids)
                 tokens += int(c_mask.sum())
             step += 1
+            if checkpoint is not None and step % checkpoint.every == 0 and step < plan.steps:
+                _save_checkpoint(checkpoint.path, plan, step, lost, engine, named_trainable, optimizer)
             loss = total / count if (report_loss and count) else None
             if report_loss:
                 losses.append(loss if loss is not None else math.nan)
+            val_loss = measure() if (step % val_every == 0 or step == plan.steps) else None
             if progress is not None:
-                progress(FinetuneProgress(step, plan.steps, _epsilon_after(plan, step), loss))
+                progress(FinetuneProgress(step, plan.steps, _epsilon_after(plan, step), loss, val_loss))
         train_seconds = time.perf_counter() - t_train
         if engine.steps != plan.steps or step != plan.steps:
             raise RuntimeError(f"took {engine.steps} steps, the plan {plan.steps}")
+        applied = _optimizer_updates(optimizer)
+        if applied is not None and applied != plan.steps - lost:  # a bug: never release it
+            raise RuntimeError(f"the adapter holds {applied} updates, not {plan.steps} less {lost} lost")
         # The engine composed the same events one step at a time; its PLD discretisation may differ
         # from the plan's one-shot composition in the last digits. Both are upper bounds on the
         # same run's epsilon, so the smaller one is too; a larger difference would be a bug.
@@ -523,12 +662,117 @@ def _train(
         seconds=time.perf_counter() - t0,
         train_seconds=train_seconds,
         charged=charged,
+        steps_applied=plan.steps - lost if applied is None else applied,
+        steps_lost=lost,
+        resumed_from=resumed_from,
+        validation_losses=tuple(val_losses),
+        validation_records=0 if validation is None else len(validation),
     )
 
 
-def _batches(loader: Any, epochs: int) -> Iterator[Any]:
-    for _ in range(epochs):
-        yield from loader
+def _mean_loss(model: Any, data: tuple[Any, Any], batch_size: int, dev: Any) -> float:
+    """Mean per-record loss on ``data`` (no gradients: the DP hooks record nothing; eval mode)."""
+    import torch
+
+    ids, mask = data
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    try:
+        with torch.no_grad():
+            for i in range(0, len(ids), max(1, batch_size)):
+                b_ids, b_mask = _trim(
+                    list(zip(ids[i : i + batch_size], mask[i : i + batch_size], strict=True))
+                )
+                total += float(per_record_loss(model, b_ids.to(dev), b_mask.to(dev)).sum())
+    finally:
+        model.train(was_training)
+    return total / len(ids)
+
+
+def _batches(loader: Any, steps: int) -> Iterator[Any]:
+    """``steps`` Poisson batches (each pass over the loader draws steps_per_epoch of them)."""
+    while steps > 0:
+        for batch in loader:
+            if steps <= 0:
+                return
+            steps -= 1
+            yield batch
+
+
+_CHECKPOINT_SCHEMA = "gaussdp.finetune.checkpoint/1"
+
+
+def _optimizer_updates(optimizer: Any) -> int | None:
+    """Updates Adam applied (its per-parameter ``step`` counter; None before the first)."""
+    for state in optimizer.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return None
+
+
+def _save_checkpoint(
+    path: Path,
+    plan: FinetunePlan,
+    released: int,
+    lost: int,
+    engine: Any,
+    named: list[tuple[str, Any]],
+    optimizer: Any,
+) -> None:
+    """Write the state atomically: a crash leaves the previous checkpoint or this one, never half."""
+    import torch
+
+    from gaussdp.accounting.events import event_json
+
+    state = {
+        "schema": _CHECKPOINT_SCHEMA,
+        "plan_event": event_json(plan.event),
+        "released": released,
+        "lost": lost,
+        "lora": {n: p.detach().to("cpu").clone() for n, p in named},
+        "optimizer": optimizer.state_dict(),
+        "accountant": engine.accountant.state_dict(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    with contextlib.suppress(OSError):  # the rename itself durable (POSIX: fsync the directory)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _load_checkpoint(
+    path: Path, plan: FinetunePlan, engine: Any, named: list[tuple[str, Any]], optimizer: Any
+) -> tuple[int, int]:
+    """Restore a checkpoint of this plan into the fresh run; returns its ``(released, lost)`` steps."""
+    import torch
+
+    from gaussdp.accounting.events import event_json
+
+    state = torch.load(path, weights_only=True, map_location="cpu")
+    if state.get("schema") != _CHECKPOINT_SCHEMA or state.get("plan_event") != event_json(plan.event):
+        raise InvalidParameter(f"checkpoint {str(path)!r} is not one of this plan; nothing was trained")
+    lora = state["lora"]
+    if sorted(lora) != sorted(n for n, _ in named):
+        raise InvalidParameter(f"checkpoint {str(path)!r} holds other adapters than this run's")
+    released = int(state["released"])
+    accountant = state["accountant"]
+    if int(accountant["steps"]) != released:
+        raise InvalidParameter(f"checkpoint {str(path)!r}: its accountant has {accountant['steps']} steps")
+    engine.accountant.load_state_dict(accountant)
+    with torch.no_grad():
+        for n, p in named:
+            p.copy_(lora[n].to(p.device, p.dtype))
+    optimizer.load_state_dict(state["optimizer"])
+    return released, int(state["lost"])
 
 
 def _epsilon_after(plan: FinetunePlan, steps_done: int) -> float:

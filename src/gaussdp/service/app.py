@@ -76,6 +76,7 @@ logger = logging.getLogger("gaussdp.service")
 
 DEFAULT_LEDGER_URL = "sqlite:///gaussdp-ledger.db"
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+TEXT_SUBMIT_PATH = "/text/submit"
 DEFAULT_CPU_LIMIT_S = 1.0
 
 
@@ -242,16 +243,27 @@ def _rate_limiter(
 
 def _limit_bodies(app: FastAPI, max_body_bytes: int, *, ckks: bool, corpora: bool) -> None:
     """Bound every request body before it is read, and its JSON nesting before it is parsed."""
+    from gaussdp.text.tokenize import MAX_INPUT_BYTES
+
     path_limits = _ckks_body_limits(ckks)
     raw_paths = [] if not ckks else [_ckks_context_path()]  # bodies that are not JSON
+    # One upload limit for text everywhere: 20 MB (decimal) of UTF-8, as the /text page promises.
+    # /text/submit carries it in a JSON string, where a newline or a quote takes two bytes: the body
+    # may be twice the text; the route itself refuses text over 20 MB (413, saying so).
+    twenty_mb = f"the text limit is {MAX_INPUT_BYTES} bytes (20 MB) of UTF-8; split the text"
+    path_limits[re.escape(TEXT_SUBMIT_PATH)] = 2 * MAX_INPUT_BYTES + 65_536
+    path_notes = {re.escape(TEXT_SUBMIT_PATH): twenty_mb}
     if corpora:
         from gaussdp.service.finetune import CORPORA_PATH, MAX_CORPUS_BYTES
 
         path_limits[re.escape(CORPORA_PATH)] = MAX_CORPUS_BYTES  # corpora have their own limit
+        path_notes[re.escape(CORPORA_PATH)] = twenty_mb
         raw_paths.append(re.escape(CORPORA_PATH))
     # inside the size limit: a body's bytes are counted first
     app.add_middleware(JSONDepthLimit, raw_paths=raw_paths)
-    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes, path_limits=path_limits)
+    app.add_middleware(
+        BodySizeLimit, max_body_bytes=max_body_bytes, path_limits=path_limits, path_notes=path_notes
+    )
 
 
 def _durable_url(led: Ledger) -> str:

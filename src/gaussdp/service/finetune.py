@@ -108,6 +108,8 @@ from gaussdp.service.worker import adapter_dir, corpus_path, finetune_config
 from gaussdp.text.tokenize import MAX_INPUT_BYTES, words
 from gaussdp.text.vocabulary import vocabulary_id
 
+MAX_VALIDATION_RECORDS = 2048  # gaussdp.finetune.train's (importing it here would need torch)
+
 __all__ = ["CORPORA_PATH", "MAX_CORPUS_BYTES", "make_finetune_router", "vocabulary_id"]
 
 LIST_DEFAULT_LIMIT = 100
@@ -169,7 +171,39 @@ def make_finetune_router(
                 v = _default_vocabulary()
             all_words = frozenset(v.words)
             cache["v"] = (all_words, frozenset(w for w in all_words if words(w) == [w]), vocabulary_id(v))
+            cache["vocabulary"] = v
         return cache["v"]
+
+    def per_word(mechanism: str, sigma: float | None, epsilon: float | None) -> dict[str, Any] | None:
+        """The declared mechanism's per-word guarantee on this server's vocabulary, labelled: a
+        word vs its typical nearest neighbour, and vs any word (the vocabulary's diameter)."""
+        import math
+
+        from gaussdp.text.mechanisms import make_mechanism
+
+        vocab()
+        kwargs: dict[str, Any] = {"sigma": sigma} if sigma is not None else {"epsilon": epsilon}
+        if mechanism == "laplace" and epsilon is None:
+            return None  # the Laplace (metric DP) mechanism is described by its epsilon per unit distance
+        if mechanism == "laplace":
+            kwargs = {"epsilon": epsilon}
+        try:
+            report = make_mechanism(mechanism, cache["vocabulary"], **kwargs).report()
+        except (PrivacyError, TypeError, ValueError):
+            return None
+        out: dict[str, Any] = {}
+        for label, key in (("nearest_neighbour", "nearest_neighbour"), ("worst_case", "vocabulary_diameter")):
+            g = report[key]
+            if not all(
+                isinstance(g.get(k), int | float) and math.isfinite(g[k]) for k in ("distance", "epsilon")
+            ):
+                return None
+            out[label] = {
+                "distance": float(g["distance"]),
+                "epsilon": float(g["epsilon"]),
+                "delta": g["delta"],
+            }
+        return out
 
     api = APIRouter(tags=["fine-tuning"])
 
@@ -217,7 +251,7 @@ def make_finetune_router(
         ] = None,
     ) -> CorpusOut:
         """Upload a corpus, streamed to disk (never held in memory); see the module docstring."""
-        local_dp = None
+        local_dp: dict[str, Any] | None = None
         words_all: frozenset[str] = frozenset()
         words_clean: frozenset[str] = frozenset()
         if mechanism is None:
@@ -232,7 +266,10 @@ def make_finetune_router(
                     422,
                     f"vocabulary={vocabulary!r} is not this server's vocabulary ({vid})",
                 )
+            guarantee = await anyio.to_thread.run_sync(per_word, mechanism, sigma, epsilon)
             local_dp = {"mechanism": mechanism, "sigma": sigma, "epsilon": epsilon, "vocabulary": vid}
+            if guarantee is not None:
+                local_dp["epsilon_per_word"] = guarantee
         count, stored = await anyio.to_thread.run_sync(jobs.corpus_usage, who.tenant)
         room = quotas.max_corpus_bytes_per_tenant - stored
         declared = request.headers.get("content-length")
@@ -356,6 +393,16 @@ def make_finetune_router(
         corpus = jobs.corpus(who.tenant, body.corpus_id)
         if corpus is None:
             raise missing("corpus")
+        if body.validation_corpus_id is not None:
+            val = jobs.corpus(who.tenant, body.validation_corpus_id)
+            if val is None:
+                raise missing("corpus")
+            if val.records > MAX_VALIDATION_RECORDS:
+                raise HTTPException(
+                    422,
+                    f"validation_corpus_id: the corpus has {val.records} records, more than "
+                    f"{MAX_VALIDATION_RECORDS}",
+                )
         principal = f"{who.tenant}/{body.session_id}"
         try:
             budget = ledger.budget(principal)
@@ -537,6 +584,9 @@ def _job_out(j: JobRow, plan: Any = None) -> JobOut:
         epsilon_so_far=j.epsilon_so_far,
         loss=j.loss,
         error=j.error,
+        validation_loss=j.validation_loss,
+        attempts=j.attempts,
+        steps_lost=j.steps_lost,
         noise_multiplier=None if nm is None else float(nm),
         sample_rate=None if rate is None else float(rate),
         charge_id=j.charge_id,

@@ -21,6 +21,12 @@ class LocalDP(BaseModel):
     sigma: float | None = None
     epsilon: float | None = None
     vocabulary: str
+    epsilon_per_word: dict[str, dict[str, float | None]] | None = Field(
+        None,
+        description="The declared mechanism's per-word guarantee on this server's vocabulary: "
+        "'nearest_neighbour' (a word vs its typical nearest neighbour) and 'worst_case' (vs any "
+        "word), each with its distance, epsilon and delta (delta 0: metric DP).",
+    )
 
 
 class CorpusOut(BaseModel):
@@ -66,11 +72,28 @@ class JobIn(BaseModel):
     learning_rate: float = Field(1e-3, gt=0, le=10, allow_inf_nan=False)
     max_seq_len: int = Field(64, ge=4, le=4096)
     clip_norm: float = Field(1.0, gt=0, le=1e4, allow_inf_nan=False)
+    validation_corpus_id: str | None = Field(
+        None,
+        pattern=ID_PATTERN,
+        description="A corpus of yours (at most 2048 records) on which the adapter's loss is measured "
+        "during training and shown on the job and the card. Its loss is released WITHOUT noise and "
+        "not charged: it must be public data (set validation_public=true to declare it).",
+    )
+    validation_public: bool = Field(
+        False, description="Your declaration that the validation corpus is public (required with it)."
+    )
 
     @model_validator(mode="after")
     def _one_noise_spec(self) -> "JobIn":
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
             raise ValueError("give exactly one of target_epsilon and noise_multiplier")
+        if self.validation_corpus_id is not None and not self.validation_public:
+            raise ValueError(
+                "validation_public must be true with validation_corpus_id: its loss is released "
+                "without noise, so the validation corpus must be public data"
+            )
+        if self.validation_corpus_id is not None and self.validation_corpus_id == self.corpus_id:
+            raise ValueError("validation_corpus_id must differ from corpus_id (the private training corpus)")
         return self
 
 
@@ -91,6 +114,17 @@ class JobOut(BaseModel):
         "so it is not covered by the guarantee and is not released.",
     )
     error: str | None
+    validation_loss: float | None = Field(
+        None,
+        description="The adapter's latest mean per-record loss on the public validation corpus "
+        "(validation_corpus_id); null without one.",
+    )
+    attempts: int = Field(0, description="Workers that took the job (> 1: resumed after interruptions).")
+    steps_lost: int = Field(
+        0,
+        description="Steps released before an interruption but not in the checkpoint the job resumed "
+        "from: counted in epsilon_so_far and the charge, never run again, not in the adapter.",
+    )
     noise_multiplier: float | None
     sample_rate: float | None
     charge_id: int | None

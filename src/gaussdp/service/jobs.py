@@ -15,8 +15,11 @@ skip each other's rows instead of queueing on them); SQLite ``BEGIN IMMEDIATE`` 
 
 Job states: ``charging`` (row written, charge in flight: never claimed) -> ``queued`` -> ``running``
 -> ``succeeded`` | ``failed`` | ``cancelled``. A running job whose worker stops heartbeating for
-``lease_s`` (or whose worker process on this host is gone) is marked ``failed`` and never re-run:
-its charge stays, since the noisy steps it took may already have been observed. Heartbeats and the
+``lease_s`` (or whose worker process on this host is gone) is interrupted: with ``resume`` (the
+default of ``gaussdp serve`` and ``gaussdp worker``) it goes back to ``queued`` and the next worker
+resumes it from its last checkpoint, never re-running a step already released
+(:func:`gaussdp.finetune.run_finetune`); with the old rule (``--on-interrupt fail``) it is marked
+``failed`` and never re-run. Either way its charge stays: it paid for the whole plan. Heartbeats and the
 lease check use the database's clock, so workers' clocks on other machines do not matter.
 """
 
@@ -46,6 +49,7 @@ from gaussdp.errors import InvalidParameter, PrivacyError
 
 __all__ = [
     "ACTIVE_STATES",
+    "DEFAULT_MAX_ATTEMPTS",
     "TERMINAL_STATES",
     "CorpusRow",
     "JobRow",
@@ -55,13 +59,14 @@ __all__ = [
 ]
 
 TERMINAL_STATES = ("succeeded", "failed", "cancelled")
+DEFAULT_MAX_ATTEMPTS = 3
 ACTIVE_STATES = ("charging", "queued", "running")
 
 _CORPUS_COLUMNS = "id, tenant, name, format, bytes, records, sha256, local_dp, path, created_at"
 _JOB_COLUMNS = (
     "id, tenant, corpus_id, model, principal, config, event, epsilon, delta, charge_id, state, step, "
     "steps, epsilon_so_far, loss, error, cancel_requested, worker, attempts, heartbeat_at, created_at, "
-    "started_at, finished_at, adapter_path"
+    "started_at, finished_at, adapter_path, steps_lost, validation_loss"
 )
 
 
@@ -109,6 +114,8 @@ class JobRow:
     started_at: float | None
     finished_at: float | None
     adapter_path: str | None
+    steps_lost: int = 0  # released steps not in the checkpoint a resumed attempt started from
+    validation_loss: float | None = None  # the latest loss on the public validation corpus
 
 
 def _corpus(r: Sequence[Any]) -> CorpusRow:
@@ -131,7 +138,7 @@ def _job(r: Sequence[Any]) -> JobRow:
         r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), json.loads(r[6]), float(r[7]), float(r[8]),
         None if r[9] is None else int(r[9]), r[10], int(r[11]), int(r[12]), float(r[13]),
         None if r[14] is None else float(r[14]), r[15], bool(r[16]), r[17], int(r[18]), r[19], r[20],
-        r[21], r[22], r[23],
+        r[21], r[22], r[23], int(r[24] or 0), None if r[25] is None else float(r[25]),
     )  # fmt: skip
 
 
@@ -334,12 +341,13 @@ class JobStore:
                     )
             x(
                 f"INSERT INTO {{p}}gdp_finetune_jobs ({_JOB_COLUMNS}) VALUES "
-                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     j.id, j.tenant, j.corpus_id, j.model, j.principal, json.dumps(j.config),
                     json.dumps(j.event), j.epsilon, j.delta, j.charge_id, j.state, j.step, j.steps,
                     j.epsilon_so_far, j.loss, j.error, int(j.cancel_requested), j.worker, j.attempts,
-                    j.heartbeat_at, j.created_at, j.started_at, j.finished_at, j.adapter_path,
+                    j.heartbeat_at, j.created_at, j.started_at, j.finished_at, j.adapter_path, j.steps_lost,
+                    j.validation_loss,
                 ),
             )  # fmt: skip
 
@@ -437,14 +445,24 @@ class JobStore:
         return None if row is None else _job(row)
 
     def progress(
-        self, job_id: str, worker: str, *, step: int, steps: int, epsilon_so_far: float, loss: float | None
+        self,
+        job_id: str,
+        worker: str,
+        *,
+        step: int,
+        steps: int,
+        epsilon_so_far: float,
+        loss: float | None,
+        validation_loss: float | None = None,
     ) -> bool:
-        """Record progress (and heartbeat); True when a cancel was requested (or the job is not ours)."""
+        """Record progress (and heartbeat; ``validation_loss`` when measured at this step); True when
+        a cancel was requested (or the job is not ours)."""
         with self._tx() as x:
             x(
                 "UPDATE {p}gdp_finetune_jobs SET step = ?, steps = ?, epsilon_so_far = ?, loss = ?, "
-                "heartbeat_at = {now} WHERE id = ? AND worker = ? AND state = 'running'",
-                (step, steps, epsilon_so_far, loss, job_id, worker),
+                "validation_loss = COALESCE(?, validation_loss), heartbeat_at = {now} "
+                "WHERE id = ? AND worker = ? AND state = 'running'",
+                (step, steps, epsilon_so_far, loss, validation_loss, job_id, worker),
             )
             r = x(
                 "SELECT cancel_requested, state, worker FROM {p}gdp_finetune_jobs WHERE id = ?", (job_id,)
@@ -484,21 +502,56 @@ class JobStore:
             )
             return bool(cur.rowcount)
 
-    def fail_abandoned(self, lease_s: float, *, charging_grace_s: float = 300.0) -> list[str]:
-        """Mark failed (never re-run) the running jobs whose worker is gone: no heartbeat for
-        ``lease_s``, or a worker process on this host that no longer exists; and ``charging`` rows
-        older than ``charging_grace_s`` (the server died between the charge and the queueing).
-        Their charges stay. Returns the ids."""
-        failed: list[str] = []
+    def lost_steps(self, job_id: str, worker: str, lost: int) -> None:
+        """Add ``lost`` to the job's ``steps_lost`` (a resumed attempt found them released but not
+        checkpointed: they stay counted and are not run again)."""
+        with self._tx() as x:
+            x(
+                "UPDATE {p}gdp_finetune_jobs SET steps_lost = steps_lost + ? "
+                "WHERE id = ? AND worker = ? AND state = 'running'",
+                (int(lost), job_id, worker),
+            )
+
+    def requeue(self, job_id: str, worker: str, why: str) -> bool:
+        """Put a running job held by ``worker`` back in the queue (it resumes from its checkpoint);
+        False when it was not ours any more."""
+        with self._tx() as x:
+            cur = x(
+                "UPDATE {p}gdp_finetune_jobs SET state = 'queued', worker = NULL, error = ? "
+                "WHERE id = ? AND worker = ? AND state = 'running' AND cancel_requested = 0",
+                (why, job_id, worker),
+            )
+            return bool(cur.rowcount)
+
+    def fail_abandoned(
+        self,
+        lease_s: float,
+        *,
+        charging_grace_s: float = 300.0,
+        resume: bool = False,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    ) -> list[str]:
+        """Deal with the running jobs whose worker is gone: no heartbeat for ``lease_s``, or a worker
+        process on this host that no longer exists; and with ``charging`` rows older than
+        ``charging_grace_s`` (the server died between the charge and the queueing: failed).
+
+        With ``resume=False`` (the old rule) an interrupted job is marked failed and never re-run.
+        With ``resume=True`` it is put back in the queue, to resume from its last checkpoint, unless
+        it has been claimed ``max_attempts`` times already (a job that crashes its worker every
+        time, e.g. out of memory, must not loop forever) or a cancel was requested: then failed.
+        Charges always stay. Returns the ids of the rows changed."""
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+            raise InvalidParameter(f"max_attempts must be an int >= 1, got max_attempts={max_attempts!r}")
+        changed: list[str] = []
         with self._tx(immediate=True) as x:
             # the database's clock, as for heartbeats: workers' clocks on other machines may drift
             now = float(x("SELECT {now}", ()).fetchone()[0])
             rows = x(
-                "SELECT id, state, worker, heartbeat_at, created_at FROM {p}gdp_finetune_jobs "
-                "WHERE state IN ('running', 'charging')",
+                "SELECT id, state, worker, heartbeat_at, created_at, attempts, cancel_requested "
+                "FROM {p}gdp_finetune_jobs WHERE state IN ('running', 'charging')",
                 (),
             ).fetchall()
-            for job_id, state, worker, beat, created in rows:
+            for job_id, state, worker, beat, created, attempts, cancel in rows:
                 if state == "running":
                     if (beat or 0) < now - lease_s:
                         why = f"worker {worker} sent no heartbeat for {lease_s:g} s (crash or restart)"
@@ -506,6 +559,16 @@ class JobStore:
                         why = f"worker {worker} is gone (crash or restart)"
                     else:
                         continue
+                    if resume and not cancel and int(attempts) < max_attempts:
+                        x(
+                            "UPDATE {p}gdp_finetune_jobs SET state = 'queued', worker = NULL, error = ? "
+                            "WHERE id = ? AND state = 'running'",
+                            (f"interrupted: {why}; queued again to resume from its last checkpoint", job_id),
+                        )
+                        changed.append(job_id)
+                        continue
+                    if resume and not cancel:
+                        why += f"; it was tried {attempts} times (max_attempts={max_attempts})"
                 elif created < now - charging_grace_s:
                     why = "the server stopped while the job was being charged; it was never queued"
                 else:
@@ -515,8 +578,8 @@ class JobStore:
                     "WHERE id = ? AND state = ?",
                     (f"interrupted: {why}; the job is not re-run and its charge stays", now, job_id, state),
                 )
-                failed.append(job_id)
-        return failed
+                changed.append(job_id)
+        return changed
 
 
 class _Exec:

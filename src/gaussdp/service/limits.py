@@ -34,9 +34,11 @@ __all__ = ["BodySizeLimit", "BodyTooLarge", "RateLimiter", "SharedRateLimiter"]
 
 
 class BodyTooLarge(HTTPException):
-    def __init__(self, limit: int, *, own_limit: bool = False) -> None:
+    def __init__(self, limit: int, *, own_limit: bool = False, note: str | None = None) -> None:
         hint = (
-            "this route's own limit (decimal bytes); split the upload"
+            note
+            if note is not None
+            else "this route's own limit (decimal bytes); split the upload"
             if own_limit
             else "max_body_bytes); send a smaller vector or use vector_b64 (4 bytes per float32"
         )
@@ -46,10 +48,18 @@ class BodyTooLarge(HTTPException):
 
 
 class BodySizeLimit:
-    def __init__(self, app: Any, max_body_bytes: int, path_limits: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        app: Any,
+        max_body_bytes: int,
+        path_limits: Mapping[str, int] | None = None,
+        path_notes: Mapping[str, str] | None = None,
+    ) -> None:
         self.app = app
         self.max_body_bytes = int(max_body_bytes)
         self.path_limits = [(re.compile(rx), int(n)) for rx, n in (path_limits or {}).items()]
+        # what a route's 413 says about its limit, in the user's terms (e.g. "text up to 20 MB")
+        self.path_notes = [(re.compile(rx), note) for rx, note in (path_notes or {}).items()]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -58,6 +68,7 @@ class BodySizeLimit:
         path = scope.get("path", "")
         own = next((n for rx, n in self.path_limits if rx.fullmatch(path)), None)
         limit = self.max_body_bytes if own is None else own
+        note = next((n for rx, n in self.path_notes if rx.fullmatch(path)), None)
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
@@ -66,7 +77,9 @@ class BodySizeLimit:
                     await _reply(send, 400, "invalid Content-Length header", path)
                     return
                 if declared > limit:
-                    await _reply(send, 413, BodyTooLarge(limit, own_limit=own is not None).detail, path)
+                    await _reply(
+                        send, 413, BodyTooLarge(limit, own_limit=own is not None, note=note).detail, path
+                    )
                     return
         received = 0
         started = False
@@ -77,7 +90,7 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise BodyTooLarge(limit, own_limit=own is not None)
+                    raise BodyTooLarge(limit, own_limit=own is not None, note=note)
             return message
 
         async def tracking_send(message: Any) -> None:

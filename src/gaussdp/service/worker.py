@@ -9,9 +9,18 @@ own copy of each, and trains in its own process: request handlers never train.
 Each job: claim it (one transaction), re-plan it from the stored request and the corpus and check
 that the plan's event is the one that was charged (a different event is never trained: the job
 fails), train with ``gaussdp.finetune.run_finetune`` while heartbeating and writing progress to the
-row, save the adapter under ``DIR``, mark the row. A job whose worker dies is marked failed by the
-next worker (or server) that starts, or by any worker once its lease of ``lease_s`` without a
-heartbeat has run out; it is never re-run, and its charge stays.
+row, save the adapter under ``DIR``, mark the row.
+
+Interruptions (``on_interrupt``): every ``checkpoint_every`` steps the job's state (adapters,
+optimizer, the engine's accountant) is written to ``DIR/tenants/t-TENANT/checkpoints/JOB.pt``. A job
+whose worker dies (a crash: found by the next worker or server that starts, or by any worker once
+its lease of ``lease_s`` without a heartbeat has run out) or is stopped (SIGTERM) is, with
+``"resume"`` (the default), queued again and resumed by the next worker from that checkpoint: the
+steps reported after the checkpoint stay counted as released and are never run again (they are the
+job's ``steps_lost``), so the job takes the plan's steps in all, under its one charge
+(:class:`gaussdp.finetune.FinetuneCheckpoint`). After ``max_attempts`` claims it is failed. With
+``"fail"`` (the rule before checkpoints) an interrupted job is failed and never re-run. Either way
+its charge stays.
 """
 
 from __future__ import annotations
@@ -26,13 +35,25 @@ from pathlib import Path
 from typing import Any
 
 from gaussdp.accounting.events import event_json
-from gaussdp.service.jobs import JobRow, JobStore, worker_identity
+from gaussdp.service.jobs import DEFAULT_MAX_ATTEMPTS, JobRow, JobStore, worker_identity
 
-__all__ = ["DEFAULT_LEASE_S", "adapter_dir", "corpus_path", "finetune_config", "run_job", "run_worker"]
+__all__ = [
+    "DEFAULT_CHECKPOINT_EVERY",
+    "DEFAULT_LEASE_S",
+    "ON_INTERRUPT",
+    "adapter_dir",
+    "checkpoint_path",
+    "corpus_path",
+    "finetune_config",
+    "run_job",
+    "run_worker",
+]
 
 logger = logging.getLogger("gaussdp.worker")
 
 DEFAULT_LEASE_S = 60.0
+DEFAULT_CHECKPOINT_EVERY = 10
+ON_INTERRUPT = ("resume", "fail")
 
 
 def tenant_dir(data_dir: str | Path, tenant: str) -> Path:
@@ -46,6 +67,10 @@ def corpus_path(data_dir: str | Path, tenant: str, corpus_id: str, fmt: str) -> 
 
 def adapter_dir(data_dir: str | Path, tenant: str, job_id: str) -> Path:
     return tenant_dir(data_dir, tenant) / "adapters" / job_id
+
+
+def checkpoint_path(data_dir: str | Path, tenant: str, job_id: str) -> Path:
+    return tenant_dir(data_dir, tenant) / "checkpoints" / f"{job_id}.pt"
 
 
 def finetune_config(config: Mapping[str, Any]) -> Any:
@@ -84,9 +109,24 @@ def run_job(
     data_dir: str | Path,
     model_path: str,
     lease_s: float = DEFAULT_LEASE_S,
+    on_interrupt: str = "resume",
+    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
 ) -> str:
-    """Train one claimed job to its end; returns its final state (``succeeded|failed|cancelled``)."""
-    from gaussdp.finetune import FinetuneCancelled, plan_finetune, read_corpus, run_finetune, save_adapter
+    """Train one claimed job to its end; returns its final state (``succeeded|failed|cancelled``,
+    or ``queued`` when the worker was stopped and the job will resume elsewhere)."""
+    from gaussdp.finetune import (
+        FinetuneCancelled,
+        FinetuneCheckpoint,
+        plan_finetune,
+        read_corpus,
+        run_finetune,
+        save_adapter,
+    )
+
+    if on_interrupt not in ON_INTERRUPT:
+        raise ValueError(f"on_interrupt must be one of {ON_INTERRUPT}, got on_interrupt={on_interrupt!r}")
+    resume = on_interrupt == "resume"
+    ckpt_file = checkpoint_path(data_dir, job.tenant, job.id)
 
     stop = threading.Event()
     cancelled = threading.Event()
@@ -106,6 +146,13 @@ def run_job(
         if corpus is None:
             raise RuntimeError("its corpus was deleted before the job started")
         records = read_corpus(corpus.path, format=corpus.format)
+        validation = None
+        val_id = job.config.get("validation_corpus_id")
+        if val_id is not None:  # declared public by the job's owner (validation_public, checked)
+            val = store.corpus(job.tenant, str(val_id))
+            if val is None:
+                raise RuntimeError("its validation corpus was deleted before the job started")
+            validation = read_corpus(val.path, format=val.format)
         config = finetune_config(job.config)
         plan = plan_finetune(config, n_records=len(records))
         if _event_dict(plan.event) != job.event:
@@ -113,7 +160,7 @@ def run_job(
 
         def progress(info: Any) -> None:
             get = info.get if isinstance(info, Mapping) else lambda k, d=None: getattr(info, k, d)
-            loss = get("loss")
+            loss, val_loss = get("loss"), get("validation_loss")
             if store.progress(
                 job.id,
                 worker,
@@ -121,15 +168,39 @@ def run_job(
                 steps=int(get("steps", plan.steps)),
                 epsilon_so_far=float(get("epsilon_so_far", get("epsilon", 0.0))),
                 loss=None if loss is None else float(loss),
+                validation_loss=None if val_loss is None else float(val_loss),
             ):
                 cancelled.set()
 
         def should_stop() -> bool:
             return cancelled.is_set()
 
-        result = run_finetune(model_path, records, config, plan, progress=progress, should_stop=should_stop)
+        def resumed(from_step: int, lost: int) -> None:
+            logger.warning(
+                "job %s: resumed from its checkpoint at step %d; %d step(s) after it were released and "
+                "are lost (counted, not run again)", job.id, from_step, lost,
+            )  # fmt: skip
+            if lost:
+                store.lost_steps(job.id, worker, lost)
+
+        checkpoint = None
+        if resume:
+            checkpoint = FinetuneCheckpoint(
+                ckpt_file, every=checkpoint_every, released=job.step, on_resume=resumed
+            )
+        result = run_finetune(
+            model_path, records, config, plan, progress=progress, should_stop=should_stop,
+            checkpoint=checkpoint, validation=validation,
+        )  # fmt: skip
         out = adapter_dir(data_dir, job.tenant, job.id)
-        save_adapter(result, out, local_dp=corpus.local_dp, corpus_name=corpus.name)
+        final = store.job(None, job.id)
+        save_adapter(
+            result,
+            out,
+            local_dp=corpus.local_dp,
+            corpus_name=corpus.name,
+            attempts=job.attempts if final is None else final.attempts,
+        )
         state = "succeeded"
         store.finish(job.id, worker, state, adapter_path=str(out))
     except FinetuneCancelled:
@@ -139,12 +210,20 @@ def run_job(
         logger.exception("fine-tuning job %s failed", job.id)
         state = "failed"
         store.finish(job.id, worker, state, error=f"{type(exc).__name__}: {exc}"[:2000])
-    except BaseException:  # SIGTERM/SIGINT (the server stops): failed now, never re-run
-        store.finish(job.id, worker, "failed", error="interrupted: the worker was stopped; the charge stays")
+    except BaseException:  # SIGTERM/SIGINT (the server stops)
+        if not (
+            resume
+            and store.requeue(job.id, worker, "interrupted: the worker was stopped; queued again to resume")
+        ):
+            store.finish(
+                job.id, worker, "failed", error="interrupted: the worker was stopped; the charge stays"
+            )
         raise
     finally:
         stop.set()
         beater.join(timeout=5)
+    if state != "queued":
+        ckpt_file.unlink(missing_ok=True)  # the job is over: its state is no longer needed
     return state
 
 
@@ -158,6 +237,9 @@ def run_worker(
     max_jobs: int | None = None,
     parent_pid: int | None = None,
     should_exit: Callable[[], bool] | None = None,
+    on_interrupt: str = "resume",
+    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
 ) -> int:
     """Take and train jobs until interrupted (or ``max_jobs`` done, or the parent process is gone).
 
@@ -169,12 +251,18 @@ def run_worker(
         lease_s: a running job without a heartbeat this long is failed by any worker.
         max_jobs: stop after this many jobs (tests); None: run forever.
         parent_pid: exit when this process is gone (workers started by ``gaussdp serve``).
+        on_interrupt: ``"resume"`` (default): an interrupted job is queued again and resumed from
+            its last checkpoint; ``"fail"``: it is failed, never re-run (the old rule).
+        checkpoint_every: steps between a job's checkpoints (>= 1; 1 loses no step to a crash).
+        max_attempts: claims of one job before an interruption fails it (resume only).
 
     Returns:
         The number of jobs run.
     """
     from gaussdp.budget import Ledger
 
+    if on_interrupt not in ON_INTERRUPT:
+        raise ValueError(f"on_interrupt must be one of {ON_INTERRUPT}, got on_interrupt={on_interrupt!r}")
     with Ledger(db):  # migrates the schema when this worker is the first to open the database
         pass
     store = JobStore(db)
@@ -189,8 +277,10 @@ def run_worker(
             if should_exit is not None and should_exit():
                 break
             if time.monotonic() - last_sweep > min(lease_s / 2, 10.0):
-                for job_id in store.fail_abandoned(lease_s):
-                    logger.warning("job %s was interrupted (its worker is gone): marked failed", job_id)
+                resume = on_interrupt == "resume"
+                for job_id in store.fail_abandoned(lease_s, resume=resume, max_attempts=max_attempts):
+                    logger.warning("job %s was interrupted (its worker is gone): %s", job_id,
+                                   "queued again or failed" if resume else "marked failed")  # fmt: skip
                 last_sweep = time.monotonic()
             job = store.claim(worker, sorted(models))
             if job is None:
@@ -198,8 +288,9 @@ def run_worker(
                 continue
             logger.info("job %s (tenant %s, model %s): started", job.id, job.tenant, job.model)
             state = run_job(
-                store, job, worker, data_dir=data_dir, model_path=models[job.model], lease_s=lease_s
-            )
+                store, job, worker, data_dir=data_dir, model_path=models[job.model], lease_s=lease_s,
+                on_interrupt=on_interrupt, checkpoint_every=checkpoint_every,
+            )  # fmt: skip
             logger.info("job %s: %s", job.id, state)
             done += 1
     finally:

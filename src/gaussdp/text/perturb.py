@@ -85,13 +85,30 @@ class PerturbedText:
             "changed_words": self.n_changed,
             "fraction_changed": self.fraction_changed,
             "mean_cosine_to_original": self.mean_cosine,
-            "per_word": self.per_word,
-            "document_worst_case": self.guarantee_worst.to_dict() if self.guarantee_worst else None,
+            # every epsilon says what it is about: one word, or the whole text, at which distance
+            "per_word": {
+                k: {**g, "what": _WHAT[k]} if isinstance(g, dict) else g for k, g in self.per_word.items()
+            },
+            "document_worst_case": (
+                {**self.guarantee_worst.to_dict(), "what": _WHAT["document_worst_case"]}
+                if self.guarantee_worst
+                else None
+            ),
             "document_nearest_neighbour": (
-                self.guarantee_neighbour.to_dict() if self.guarantee_neighbour else None
+                {**self.guarantee_neighbour.to_dict(), "what": _WHAT["document_nearest_neighbour"]}
+                if self.guarantee_neighbour
+                else None
             ),
             "private": self.private,
         }
+
+
+_WHAT = {
+    "nearest_neighbour": "one word vs its typical nearest neighbour (per word)",
+    "worst_case": "one word vs any word (per word, worst case)",
+    "document_nearest_neighbour": "the whole text, every word vs its nearest neighbour (composed)",
+    "document_worst_case": "the whole text, every word vs any word (composed, worst case)",
+}
 
 
 def perturb_text(

@@ -16,7 +16,8 @@ Routes (a FastAPI ``APIRouter``; ``gaussdp.service.app.create_app`` includes :da
   vocabulary words, so this catches a client that would send raw text by mistake.
 
 Which vocabulary: :func:`make_router` takes one; the module-level :data:`router` loads, on first
-use, the file named by the environment variable ``GAUSSDP_TEXT_VOCAB`` or else the demo vocabulary
+use, the file named by ``gaussdp serve --text-vocab PATH`` (which sets the environment variable
+``GAUSSDP_TEXT_VOCAB``, also read when set directly) or else the demo vocabulary
 shipped with gaussdp.
 """
 
@@ -56,7 +57,7 @@ UNKNOWN_WORDS_ZERO = (
 class Submission(BaseModel):
     """What the page sends: perturbed text only, plus the public mechanism parameters."""
 
-    text: str = Field(..., max_length=MAX_INPUT_BYTES)
+    text: str = Field(..., description="At most 20 MB (20,000,000 bytes) of UTF-8 (413 over it).")
     mechanism: str = "gaussian"
     sigma: float | None = Field(None, gt=0)
     epsilon: float | None = Field(None, gt=0)
@@ -209,8 +210,13 @@ def make_router(
         needed = "sigma" if body.mechanism == "gaussian" else "epsilon"
         if getattr(body, needed) is None:
             raise HTTPException(status_code=422, detail=f"the {body.mechanism} mechanism needs {needed}")
-        if len(body.text.encode("utf-8")) > MAX_INPUT_BYTES:
-            raise HTTPException(status_code=413, detail="text over 20 MB")
+        size = len(body.text.encode("utf-8"))
+        if size > MAX_INPUT_BYTES:
+            raise HTTPException(
+                status_code=413,
+                detail=f"text is {size} bytes: the text limit is {MAX_INPUT_BYTES} bytes (20 MB) of "
+                "UTF-8; split the text",
+            )
         v = vocab()
         tokens = [w for line in lines_of_words(body.text) for w in line]
         foreign = sum(1 for w in tokens if w not in v)
