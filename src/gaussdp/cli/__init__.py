@@ -24,6 +24,7 @@ _COMMAND_MODULES = (
     "gaussdp.cli.finetune",
     "gaussdp.cli.info",
     "gaussdp.cli.inference",
+    "gaussdp.cli.ledger_admin",
     "gaussdp.cli.service",
     "gaussdp.cli.text",
     "gaussdp.cli.torch",

@@ -33,7 +33,9 @@ from gaussdp.finetune.adapter import (
     privacy_summary,
     save_adapter,
 )
+from gaussdp.finetune.checkpoint import FinetuneCheckpoint
 from gaussdp.finetune.corpus import CORPUS_FORMATS, read_corpus
+from gaussdp.finetune.model import check_model, load_base_model
 from gaussdp.finetune.plan import (
     ACCOUNTANTS,
     MAX_STEPS,
@@ -47,11 +49,8 @@ from gaussdp.finetune.plan import (
 from gaussdp.finetune.tiny import tiny_causal_lm
 from gaussdp.finetune.train import (
     FinetuneCancelled,
-    FinetuneCheckpoint,
     FinetuneProgress,
     FinetuneResult,
-    check_model,
-    load_base_model,
     run_finetune,
 )
 

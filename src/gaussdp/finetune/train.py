@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,23 +25,31 @@ from typing import Any
 
 from gaussdp.accounting.events import flatten_event
 from gaussdp.errors import InvalidParameter
+from gaussdp.finetune.checkpoint import (
+    FinetuneCheckpoint,
+    load_checkpoint,
+    optimizer_updates,
+    save_checkpoint,
+)
+from gaussdp.finetune.model import (
+    check_model,
+    load_base_model,
+    per_record_loss,
+    tokenize_records,
+    trim_padding,
+    wrap_lora,
+)
 from gaussdp.finetune.plan import (
-    ENCODER_MODEL_TYPES,
     FinetuneConfig,
     FinetunePlan,
     check_plan,
-    default_target_modules,
 )
 
 __all__ = [
     "FinetuneCancelled",
-    "FinetuneCheckpoint",
     "FinetuneProgress",
     "FinetuneResult",
-    "check_model",
-    "load_base_model",
     "run_finetune",
-    "tokenize_records",
 ]
 
 # The engine's epsilon is computed from the same events as the plan's; they may differ only by the
@@ -67,55 +73,6 @@ class FinetuneCancelled(RuntimeError):
         )
         self.steps_done = steps_done
         self.epsilon = epsilon
-
-
-@dataclass(frozen=True)
-class FinetuneCheckpoint:
-    """Where :func:`run_finetune` keeps its state so that a run interrupted by a crash resumes.
-
-    Every ``every`` steps (and never after the last) the adapters, the optimizer's state and the
-    engine's accountant (every event composed, the steps) are written to ``path`` atomically (a
-    temporary file, fsync, rename), together with ``released``, the steps whose noise was released
-    so far, and ``applied``, the updates in the saved weights. A run given an existing ``path``
-    resumes from it.
-
-    Soundness of a resume (why no step is released twice and the charge covers it): a step counts
-    as *released* once it is in a checkpoint or was reported (``released`` below: the job row's
-    ``step``, written after each step with its epsilon). A resumed run starts from the checkpoint's
-    weights and composes, besides the checkpoint's steps, the reported steps after it: they are
-    *lost* (their noisy updates died with the process) but stay counted as released, because what
-    was reported about them (their progress, a validation loss) may have been seen. The run then
-    takes only the plan's remaining steps with fresh Poisson samples and fresh noise. So the
-    accountant composes exactly ``plan.steps`` steps in all, the plan that was charged once; the
-    final adapter is a post-processing of those releases; and no released step is run again. A step
-    in flight at the crash that was neither checkpointed nor reported left no trace anyone can see
-    and is simply not counted (its noise and sample were discarded). Poisson sampling draws every
-    step's batch independently, so the data order needs no saved position; with ``seed`` (not
-    private) a resumed run is not bit-identical to an uninterrupted one.
-
-    Attributes:
-        path: the checkpoint file (its directory is created).
-        every: steps between checkpoints (>= 1). With 1 no step is ever lost, at the cost of one
-            write (adapters + optimizer state, small for LoRA) per step.
-        released: steps reported released before this run (0 for a new run).
-        on_resume: called once, before training, with ``(resumed_from, lost)`` when resuming
-            (``path`` exists, or ``released`` > 0: then from the fresh adapters, ``resumed_from`` 0):
-            the checkpoint's released steps and the lost steps after it.
-    """
-
-    path: Path
-    every: int = 10
-    released: int = 0
-    on_resume: Callable[[int, int], None] | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "path", Path(self.path))
-        for name in ("every", "released"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "every" else 0):
-                raise InvalidParameter(f"{name} must be an int >= {1 if name == 'every' else 0}, got {v!r}")
-        if self.on_resume is not None and not callable(self.on_resume):
-            raise TypeError(f"on_resume must be callable or None, got {type(self.on_resume).__name__}")
 
 
 @dataclass(frozen=True)
@@ -201,173 +158,6 @@ class FinetuneResult:
 
 
 MAX_VALIDATION_RECORDS = 2048  # bounded work: the validation loss is measured up to ~11 times a run
-
-
-def _model_config(model_path: str | Path) -> tuple[Path, Any]:
-    """The directory and its Hugging Face config, after the checks that need no weights."""
-    from transformers import AutoConfig
-
-    p = Path(model_path)
-    if not p.is_dir():
-        raise InvalidParameter(f"model_path {str(p)!r} is not a local directory (nothing is downloaded)")
-    try:
-        cfg = AutoConfig.from_pretrained(p, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise InvalidParameter(f"model_path {str(p)!r} holds no Hugging Face model config: {exc}") from None
-    if cfg.model_type in ENCODER_MODEL_TYPES:
-        raise InvalidParameter(
-            f"model_path {str(p)!r} is a {cfg.model_type!r} model: an encoder, not a causal language model"
-        )
-    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-        raise InvalidParameter(f"model_path {str(p)!r} holds no tokenizer (save it with the model)")
-    return p, cfg
-
-
-def check_model(model_path: str | Path, config: FinetuneConfig) -> tuple[str, tuple[str, ...]]:
-    """What :func:`run_finetune` would refuse about ``model_path`` with ``config``, checked cheaply.
-
-    Call it before charging the ledger, so that a job that cannot run costs no budget. Reads only
-    the model's config and builds the architecture on the ``meta`` device (no weights, no memory):
-    checks the directory, that it is a causal LM with a tokenizer, that ``max_seq_len`` fits its
-    positions, and which modules get LoRA adapters.
-
-    Returns:
-        ``(model_type, target_modules)``.
-
-    Raises:
-        InvalidParameter: naming ``model_path``, ``max_seq_len`` or ``target_modules``.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    if not isinstance(config, FinetuneConfig):
-        raise TypeError(f"config must be a FinetuneConfig, got {type(config).__name__}")
-    p, cfg = _model_config(model_path)
-    positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-    if isinstance(positions, int) and config.max_seq_len > positions:
-        raise InvalidParameter(
-            f"max_seq_len={config.max_seq_len} is more than the {positions} positions of the model "
-            f"at model_path {str(p)!r}"
-        )
-    try:
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(cfg)
-    except (OSError, ValueError) as exc:
-        raise InvalidParameter(f"model_path {str(p)!r} is not a causal LM architecture: {exc}") from None
-    targets, _ = _resolve_targets(skeleton, config)
-    return str(cfg.model_type), targets
-
-
-def load_base_model(model_path: str | Path) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` of a local Hugging Face causal LM directory (never downloads).
-
-    Raises:
-        InvalidParameter: naming ``model_path``: not a directory, not loadable as a causal LM, an
-            encoder-only architecture, or no tokenizer in it.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    p, _ = _model_config(model_path)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise InvalidParameter(f"model_path {str(p)!r} could not be loaded as a causal LM: {exc}") from None
-    return model, tokenizer
-
-
-def tokenize_records(tokenizer: Any, records: Sequence[str], max_seq_len: int) -> tuple[Any, Any]:
-    """``(input_ids, attention_mask)``, shape ``(n, L)`` with ``L <= max_seq_len``, right-padded.
-
-    Each record is tokenized on its own (no special tokens), truncated to ``max_seq_len - 1`` tokens
-    and followed by the end-of-sequence token where the tokenizer has one, so the model learns where
-    a record ends; a record never shares a row with another.
-    """
-    import torch
-
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
-    keep = max_seq_len - 1 if eos is not None else max_seq_len
-    enc = tokenizer(list(records), add_special_tokens=False, truncation=True, max_length=keep)["input_ids"]
-    rows = [list(ids[:keep]) + ([eos] if eos is not None else []) for ids in enc]
-    width = max(1, max(len(r) for r in rows))
-    ids = torch.full((len(rows), width), int(pad), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-            mask[i, : len(r)] = 1
-    return ids, mask
-
-
-def _trim(batch: list[Any]) -> tuple[Any, Any]:
-    """Collate: stack ``(ids, mask)`` pairs and drop the columns that are padding in every row."""
-    import torch
-
-    ids = torch.stack([b[0] for b in batch])
-    mask = torch.stack([b[1] for b in batch])
-    width = int(mask.sum(1).max()) if len(batch) else 0
-    width = max(width, 1)
-    return ids[:, :width], mask[:, :width]
-
-
-def per_record_loss(model: Any, ids: Any, mask: Any) -> Any:
-    """Each record's mean next-token cross-entropy over its own tokens, shape ``(batch,)``."""
-    import torch
-
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
-    target = ids[:, 1:]
-    tok = torch.nn.functional.cross_entropy(logits.transpose(1, 2).float(), target, reduction="none")
-    m = mask[:, 1:].to(tok.dtype)
-    return (tok * m).sum(1) / m.sum(1).clamp(min=1.0)
-
-
-def _is_conv1d(module: Any) -> bool:
-    return type(module).__name__ == "Conv1D"  # transformers' GPT-2 layer: weight stored (in, out)
-
-
-def _resolve_targets(model: Any, config: FinetuneConfig) -> tuple[tuple[str, ...], bool]:
-    """The target module names (config's, or the default for the model type) and whether they are
-    GPT-2 ``Conv1D`` layers (peft's ``fan_in_fan_out``)."""
-    model_type = str(getattr(model.config, "model_type", ""))
-    targets = config.target_modules or default_target_modules(model_type)
-    found = [m for n, m in model.named_modules() if any(n == t or n.endswith("." + t) for t in targets)]
-    if not found:
-        raise InvalidParameter(
-            f"target_modules={list(targets)!r} matches no module of this {model_type!r} model"
-        )
-    conv1d = [_is_conv1d(m) for m in found]
-    if any(conv1d) and not all(conv1d):
-        raise InvalidParameter(
-            f"target_modules={list(targets)!r} mixes GPT-2 Conv1D and other layers: adapt one kind"
-        )
-    return tuple(targets), all(conv1d)
-
-
-def wrap_lora(model: Any, config: FinetuneConfig) -> tuple[Any, tuple[str, ...]]:
-    """``(peft_model, target_modules)``: LoRA adapters on the targets; only they are trainable."""
-    from peft import LoraConfig, get_peft_model
-
-    targets, fan_in_fan_out = _resolve_targets(model, config)
-    lora = LoraConfig(
-        r=config.lora_rank,
-        lora_alpha=config.lora_alpha,  # type: ignore[arg-type]  # peft annotates int, takes float
-        lora_dropout=config.lora_dropout,
-        target_modules=list(targets),
-        fan_in_fan_out=fan_in_fan_out,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", module="peft")
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-        try:
-            peft_model = get_peft_model(model, lora)
-        except ValueError as exc:
-            raise InvalidParameter(f"target_modules={list(targets)!r}: {exc}") from None
-    for name, p in peft_model.named_parameters():
-        p.requires_grad_("lora_" in name)  # the base stays frozen: only the adapters are released
-    return peft_model, tuple(targets)
 
 
 def _seeded(seed: int | None) -> contextlib.AbstractContextManager[Any]:
@@ -533,7 +323,7 @@ def _train(
     optimizer = torch.optim.Adam(trainable, lr=config.learning_rate)
     # batch_size gives the loader ceil(n / batch_size) = plan.steps_per_epoch batches, from which the
     # engine takes its Poisson sample rate 1 / len(loader): the plan's, checked below
-    loader = DataLoader(TensorDataset(ids, mask), batch_size=config.batch_size, collate_fn=_trim)
+    loader = DataLoader(TensorDataset(ids, mask), batch_size=config.batch_size, collate_fn=trim_padding)
     engine = PrivacyEngine(accountant=plan.accountant, seed=seed)
     peft_model.train()
     peft_model, dp_optimizer, dp_loader = engine.make_private(
@@ -558,7 +348,7 @@ def _train(
         if checkpoint is not None and (checkpoint.path.is_file() or checkpoint.released):
             resumed_from, lost_before = 0, 0  # no checkpoint yet: from the fresh adapters
             if checkpoint.path.is_file():
-                resumed_from, lost_before = _load_checkpoint(
+                resumed_from, lost_before = load_checkpoint(
                     checkpoint.path, plan, engine, named_trainable, optimizer
                 )
             step = max(resumed_from, checkpoint.released)
@@ -613,7 +403,7 @@ def _train(
                 tokens += int(c_mask.sum())
             step += 1
             if checkpoint is not None and step % checkpoint.every == 0 and step < plan.steps:
-                _save_checkpoint(checkpoint.path, plan, step, lost, engine, named_trainable, optimizer)
+                save_checkpoint(checkpoint.path, plan, step, lost, engine, named_trainable, optimizer)
             loss = total / count if (report_loss and count) else None
             if report_loss:
                 losses.append(loss if loss is not None else math.nan)
@@ -623,7 +413,7 @@ def _train(
         train_seconds = time.perf_counter() - t_train
         if engine.steps != plan.steps or step != plan.steps:
             raise RuntimeError(f"took {engine.steps} steps, the plan {plan.steps}")
-        applied = _optimizer_updates(optimizer)
+        applied = optimizer_updates(optimizer)
         if applied is not None and applied != plan.steps - lost:  # a bug: never release it
             raise RuntimeError(f"the adapter holds {applied} updates, not {plan.steps} less {lost} lost")
         # The engine composed the same events one step at a time; its PLD discretisation may differ
@@ -681,7 +471,7 @@ def _mean_loss(model: Any, data: tuple[Any, Any], batch_size: int, dev: Any) -> 
     try:
         with torch.no_grad():
             for i in range(0, len(ids), max(1, batch_size)):
-                b_ids, b_mask = _trim(
+                b_ids, b_mask = trim_padding(
                     list(zip(ids[i : i + batch_size], mask[i : i + batch_size], strict=True))
                 )
                 total += float(per_record_loss(model, b_ids.to(dev), b_mask.to(dev)).sum())
@@ -698,81 +488,6 @@ def _batches(loader: Any, steps: int) -> Iterator[Any]:
                 return
             steps -= 1
             yield batch
-
-
-_CHECKPOINT_SCHEMA = "gaussdp.finetune.checkpoint/1"
-
-
-def _optimizer_updates(optimizer: Any) -> int | None:
-    """Updates Adam applied (its per-parameter ``step`` counter; None before the first)."""
-    for state in optimizer.state.values():
-        if "step" in state:
-            return int(state["step"])
-    return None
-
-
-def _save_checkpoint(
-    path: Path,
-    plan: FinetunePlan,
-    released: int,
-    lost: int,
-    engine: Any,
-    named: list[tuple[str, Any]],
-    optimizer: Any,
-) -> None:
-    """Write the state atomically: a crash leaves the previous checkpoint or this one, never half."""
-    import torch
-
-    from gaussdp.accounting.events import event_json
-
-    state = {
-        "schema": _CHECKPOINT_SCHEMA,
-        "plan_event": event_json(plan.event),
-        "released": released,
-        "lost": lost,
-        "lora": {n: p.detach().to("cpu").clone() for n, p in named},
-        "optimizer": optimizer.state_dict(),
-        "accountant": engine.accountant.state_dict(),
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    with contextlib.suppress(OSError):  # the rename itself durable (POSIX: fsync the directory)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _load_checkpoint(
-    path: Path, plan: FinetunePlan, engine: Any, named: list[tuple[str, Any]], optimizer: Any
-) -> tuple[int, int]:
-    """Restore a checkpoint of this plan into the fresh run; returns its ``(released, lost)`` steps."""
-    import torch
-
-    from gaussdp.accounting.events import event_json
-
-    state = torch.load(path, weights_only=True, map_location="cpu")
-    if state.get("schema") != _CHECKPOINT_SCHEMA or state.get("plan_event") != event_json(plan.event):
-        raise InvalidParameter(f"checkpoint {str(path)!r} is not one of this plan; nothing was trained")
-    lora = state["lora"]
-    if sorted(lora) != sorted(n for n, _ in named):
-        raise InvalidParameter(f"checkpoint {str(path)!r} holds other adapters than this run's")
-    released = int(state["released"])
-    accountant = state["accountant"]
-    if int(accountant["steps"]) != released:
-        raise InvalidParameter(f"checkpoint {str(path)!r}: its accountant has {accountant['steps']} steps")
-    engine.accountant.load_state_dict(accountant)
-    with torch.no_grad():
-        for n, p in named:
-            p.copy_(lora[n].to(p.device, p.dtype))
-    optimizer.load_state_dict(state["optimizer"])
-    return released, int(state["lost"])
 
 
 def _epsilon_after(plan: FinetunePlan, steps_done: int) -> float:
